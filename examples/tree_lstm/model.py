@@ -1,0 +1,113 @@
+"""Child-sum Tree-LSTM for semantic relatedness (Tai, Socher & Manning, 2015),
+written per sample: a recursion over the tree calling a hybridizable cell.
+
+The same code runs plain, per-sample hybridized, or dynamically batched
+(``net.hybridize(dynamic_batch=True)``); no batching logic lives here."""
+import mxnet as mx
+from mxnet import gluon, nd
+from mxnet.gluon import HybridBlock, nn
+
+
+class ChildSumLSTMCell(HybridBlock):
+    """One tree node. ``x``: (B, D) inputs; ``ch``, ``cc``: (B, K, H) children's
+    hidden and cell states (a leaf passes one zero child, which adds nothing)."""
+
+    def __init__(self, hidden_size, input_size=0, **kwargs):
+        super(ChildSumLSTMCell, self).__init__(**kwargs)
+        h = self._hidden = hidden_size
+        with self.name_scope():
+            self.W_iou = self.params.get("W_iou", shape=(3 * h, input_size), allow_deferred_init=True)
+            self.b_iou = self.params.get("b_iou", shape=(3 * h,), init="zeros")
+            self.U_iou = self.params.get("U_iou", shape=(3 * h, h))
+            self.W_f = self.params.get("W_f", shape=(h, input_size), allow_deferred_init=True)
+            self.b_f = self.params.get("b_f", shape=(h,), init="zeros")
+            self.U_f = self.params.get("U_f", shape=(h, h))
+
+    def hybrid_forward(self, F, x, ch, cc, W_iou, b_iou, U_iou, W_f, b_f, U_f):  # pylint: disable=arguments-differ
+        h = self._hidden
+        hsum = F.sum(ch, axis=1)                                           # (B, H)
+        iou = F.FullyConnected(x, W_iou, b_iou, num_hidden=3 * h) + \
+            F.FullyConnected(hsum, U_iou, no_bias=True, num_hidden=3 * h)  # (B, 3H)
+        i, o, u = F.split(iou, num_outputs=3, axis=1)
+        i, o, u = F.sigmoid(i), F.sigmoid(o), F.tanh(u)
+        fx = F.FullyConnected(x, W_f, b_f, num_hidden=h)                  # (B, H)
+        fh = F.FullyConnected(ch, U_f, no_bias=True, num_hidden=h, flatten=False)  # (B, K, H)
+        f = F.sigmoid(F.broadcast_add(fh, F.expand_dims(fx, axis=1)))
+        c = i * u + F.sum(f * cc, axis=1)
+        return o * F.tanh(c), c
+
+
+class Similarity(HybridBlock):
+    """Distance features of two sentence vectors -> log class probabilities."""
+
+    def __init__(self, sim_hidden, num_classes, in_units, **kwargs):
+        super(Similarity, self).__init__(**kwargs)
+        with self.name_scope():
+            self.wh = nn.Dense(sim_hidden, in_units=2 * in_units, activation="sigmoid")
+            self.wp = nn.Dense(num_classes, in_units=sim_hidden)
+
+    def hybrid_forward(self, F, lh, rh):  # pylint: disable=arguments-differ
+        feats = F.concat(lh * rh, F.abs(lh - rh), dim=1)
+        return F.log_softmax(self.wp(self.wh(feats)), axis=-1)
+
+
+class TreeEncoder(gluon.Block):
+    """Embeds a sentence and runs the cell over its dependency tree, per sample."""
+
+    def __init__(self, vocab_size, embed_size, hidden_size, **kwargs):
+        super(TreeEncoder, self).__init__(**kwargs)
+        self.hidden_size = hidden_size
+        with self.name_scope():
+            self.embed = nn.Embedding(vocab_size, embed_size)
+            self.cell = ChildSumLSTMCell(hidden_size, input_size=embed_size)
+        self._zero = {}
+
+    def zero_state(self, ctx):
+        z = self._zero.get(ctx)
+        if z is None:
+            z = self._zero[ctx] = nd.zeros((1, 1, self.hidden_size), ctx=ctx)
+        return z
+
+    def forward(self, tokens, tree):  # pylint: disable=arguments-differ
+        emb = self.embed(tokens)                       # (L, E)
+        zero = self.zero_state(tokens.context)
+        states = {}
+        for node in tree.postorder():
+            x = emb[node.idx:node.idx + 1]             # (1, E)
+            if node.children:
+                kids = [states.pop(id(k)) for k in node.children]
+                ch = nd.stack(*[s[0] for s in kids], axis=1)   # (1, K, H)
+                cc = nd.stack(*[s[1] for s in kids], axis=1)
+                states[id(node)] = self.cell(x, ch, cc)
+            else:
+                states[id(node)] = self.cell(x, zero, zero)
+        return states[id(tree)][0]
+
+
+class SimilarityTreeLSTM(gluon.Block):
+    """The whole relatedness model: two sentences -> (1, num_classes) log-probs."""
+
+    def __init__(self, vocab_size, embed_size=300, hidden_size=150, sim_hidden=50,
+                 num_classes=5, **kwargs):
+        super(SimilarityTreeLSTM, self).__init__(**kwargs)
+        with self.name_scope():
+            self.encoder = TreeEncoder(vocab_size, embed_size, hidden_size)
+            self.similarity = Similarity(sim_hidden, num_classes, hidden_size)
+
+    def forward(self, a_tokens, a_tree, b_tokens, b_tree):  # pylint: disable=arguments-differ
+        return self.similarity(self.encoder(a_tokens, a_tree), self.encoder(b_tokens, b_tree))
+
+
+def expected_score(log_probs, num_classes=5):
+    """Expected relatedness in [1, K] from (B, K) log-probabilities (lazy-friendly)."""
+    ks = nd.arange(1, num_classes + 1, ctx=log_probs.context).reshape((1, num_classes))
+    return nd.sum(nd.exp(log_probs) * ks, axis=1)
+
+
+def kl_loss():
+    """KL divergence against the sparse target distribution (Tai et al.)."""
+    return gluon.loss.KLDivLoss(from_logits=True)
+
+
+__all__ = ["ChildSumLSTMCell", "Similarity", "TreeEncoder", "SimilarityTreeLSTM",
+           "expected_score", "kl_loss", "mx"]

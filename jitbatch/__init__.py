@@ -1,0 +1,61 @@
+"""jitbatch: just-in-time dynamic batching for MXNet Gluon.
+
+    import jitbatch                              # installs the hook
+    net.hybridize(dynamic_batch=True)            # per-sample code, batched execution
+
+Calls to flagged blocks (and NDArray operators on their results) are recorded
+per sample into a lazy graph and run, when a value is needed, as merged
+executions of same-signature calls. See README.rst.
+"""
+from . import config
+from .errors import (BatchingError, ExecutionError, FlagError, JitBatchError,
+                     StaleValueError)
+from .graph import current_graph
+from .schedule import POLICIES
+from .stats import STATS
+
+__version__ = "0.1.0"
+__all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "POLICIES",
+           "LazyArray", "JitBatchError", "FlagError", "BatchingError", "ExecutionError",
+           "StaleValueError", "is_lazy"]
+
+
+def install():
+    """Install the MXNet hooks (done by ``import jitbatch``; idempotent)."""
+    from .gluon import hook
+    hook.install()
+
+
+def uninstall():
+    """Flush this thread's pending graph and restore MXNet's own methods."""
+    from .gluon import hook
+    hook.uninstall()
+
+
+def flush():
+    """Compute everything pending in this thread's graph."""
+    from .gluon import backend
+    backend.flush_graph(current_graph(), reason="flush")
+
+
+def stats():
+    """Counters: nodes, launches, flushes, forced_flushes, analysis_seconds,
+    execute_seconds, ... and ``last_flush`` (policy chosen and why)."""
+    s = STATS.snapshot()
+    s["pending"] = len(current_graph().nodes)
+    s["nodes"] = s["batched_nodes"] + s["pending"]
+    return s
+
+
+def reset_stats():
+    STATS.reset()
+
+
+def is_lazy(x):
+    """True if ``x`` is a lazy array whose value has not been computed yet."""
+    return isinstance(x, LazyArray) and x._value is None
+
+
+from .gluon import LazyArray  # noqa: E402  (framework layer after the core)
+
+install()

@@ -1,0 +1,22 @@
+"""Exceptions raised by jitbatch (framework-free)."""
+
+
+class JitBatchError(RuntimeError):
+    """Base class of every error jitbatch raises on purpose."""
+
+
+class FlagError(JitBatchError, ValueError):
+    """A ``hybridize(dynamic_batch=...)`` flag has a bad value."""
+
+
+class BatchingError(JitBatchError, ValueError):
+    """A recorded call cannot be batched with its group (shape, dtype, context...)."""
+
+
+class ExecutionError(JitBatchError):
+    """A merged execution failed; the message names the per-sample call site."""
+
+
+class StaleValueError(JitBatchError):
+    """A lazy array whose graph failed, was recorded in another thread, or outlived
+    ``jitbatch.uninstall()``."""

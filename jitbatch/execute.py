@@ -1,0 +1,60 @@
+"""Flush: choose a policy, schedule, and run batches through a backend."""
+import time
+
+from . import cost, schedule
+from .errors import ExecutionError, JitBatchError
+from .stats import STATS
+
+
+def _sites(batch, limit=3):
+    sites = [n.site for n in batch[:limit] if n.site]
+    more = "" if len(batch) <= limit else " (and %d more samples)" % (len(batch) - limit)
+    return "; ".join(sites) + more
+
+
+def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flush"):
+    """Run every pending node of ``graph``. ``backend.launch(batch)`` runs one batch
+    of same-signature nodes and stores each node's ``batch``/``row``."""
+    if graph.executing or not graph.nodes:
+        return
+    nodes = graph.take()
+    t0 = time.perf_counter()
+    chosen, why, predicted = (policy, "set by the user", {})
+    if policy == "auto":
+        chosen, why, predicted = cost.MODEL.choose(nodes, budget)
+    batches = schedule.SCHEDULERS[chosen](nodes)
+    t1 = time.perf_counter()
+    graph.executing = True
+    done = 0
+    try:
+        for batch in batches:
+            backend.launch(batch)
+            done += 1
+    except BaseException as e:
+        for n in nodes:
+            if n.batch is None:
+                n.error = e
+                n.inputs = ()
+        STATS.add(failures=1)
+        if isinstance(e, JitBatchError) and not isinstance(e, ExecutionError):
+            raise
+        if not isinstance(e, Exception):
+            raise
+        b = batches[done]
+        raise ExecutionError(
+            "merged execution of %d call(s) to %s failed: %s: %s\n  recorded at: %s\n"
+            "The pending graph was discarded; parameters are untouched and the next "
+            "batch runs normally." % (len(b), b[0].info.name, type(e).__name__, e,
+                                      _sites(b))) from e
+    finally:
+        graph.executing = False
+        t2 = time.perf_counter()
+        STATS.add(flushes=1, forced_flushes=int(forced), auto_flushes=int(reason == "limit"),
+                  launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
+                  analysis_seconds=t1 - t0, execute_seconds=t2 - t1)
+    if policy == "auto":
+        cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1)
+    STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
+                          "launches": len(batches), "analysis_seconds": t1 - t0,
+                          "execute_seconds": t2 - t1, "predicted_analysis": predicted,
+                          "reason": reason})

@@ -1,0 +1,381 @@
+"""The only place that patches MXNet: the hybridize flag, block-call and operator
+interception. Every patch is recorded and reverted by ``uninstall()``."""
+import sys
+import threading
+
+from mxnet import autograd
+from mxnet import ndarray as nd
+from mxnet.gluon import block as _block
+from mxnet.gluon.block import Block, HybridBlock, _flatten, _regroup
+from mxnet.ndarray import NDArray
+from mxnet.ndarray import register as _register
+from mxnet.symbol import Symbol
+
+from .. import config as _config
+from ..errors import BatchingError, FlagError
+from ..graph import current_graph
+from ..schedule import POLICIES
+from ..signature import SignatureTable
+from ..stats import STATS
+from . import backend
+from .array import LazyArray
+from .ops import OpExec, infer_outputs, make_rule, op_name
+
+TABLE = SignatureTable()
+_patches = []          # (owner, name, original) in patch order
+_tls = threading.local()
+_orig_invoke = _register._imperative_invoke
+_orig_forward = HybridBlock.forward
+_orig_block_hybridize = Block.hybridize
+_orig_hybrid_hybridize = HybridBlock.hybridize
+_orig_clear = HybridBlock._clear_cached_op  # pylint: disable=protected-access
+_SKIP = ("/mxnet/", "/jitbatch/gluon/", "/jitbatch/graph", "/contextlib")
+
+
+class BatchConfig(object):
+    """The dynamic-batching flags of one block (set tree-wide by ``hybridize``)."""
+    __slots__ = ("policy", "budget")
+
+    def __init__(self, policy, budget):
+        self.policy = policy
+        self.budget = budget
+
+    def __repr__(self):
+        return "BatchConfig(policy=%r, analysis_budget=%r)" % (self.policy, self.budget)
+
+
+def installed():
+    return bool(_patches)
+
+
+def _site():
+    """``file:line in function`` of the user's call (skipping MXNet and jitbatch)."""
+    if _config.debug:
+        import traceback
+        stack = traceback.extract_stack()[:-2]
+        return "".join(traceback.format_list([f for f in stack if not any(s in f.filename for s in _SKIP)]))
+    f = sys._getframe(2)  # pylint: disable=protected-access
+    for _ in range(8):
+        if f is None:
+            break
+        fn = f.f_code.co_filename
+        if not any(s in fn for s in _SKIP):
+            return "%s:%d in %s" % (fn, f.f_lineno, f.f_code.co_name)
+        f = f.f_back
+    return "?"
+
+
+def _meta(a):
+    if type(a) is LazyArray:
+        return a._shape, a._dtype, a._ctx
+    return a.shape, a.dtype, a.context
+
+
+def _check_ctx(metas_ctx, what):
+    ctx = metas_ctx[0][2]
+    for i, m in enumerate(metas_ctx):
+        if m[2] != ctx:
+            raise BatchingError(
+                "%s: argument %d is on %s but argument 0 is on %s; one call must have all "
+                "its arrays on one context. Fix: move it with .as_in_context(%s)."
+                % (what, i, m[2], ctx, ctx))
+    return ctx
+
+
+def _maybe_autoflush(g):
+    if len(g.nodes) >= _config.max_pending:
+        backend.flush_graph(g, reason="limit")
+
+
+# ---------------------------------------------------------------------------------------
+# operators
+def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
+    for a in ndargs:
+        if type(a) is LazyArray:
+            break
+    else:
+        return _orig_invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    if out is not None or is_np_op:
+        if out is not None:  # an in-place write: the target becomes a concrete array
+            for o in (out if isinstance(out, (list, tuple)) else (out,)):
+                if type(o) is LazyArray:
+                    o.value()
+                    o._node = backend.DETACHED
+        return _orig_invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    g = current_graph()
+    if g.executing:
+        return _orig_invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    return _record_op(g, handle, ndargs, keys, vals, output_is_list)
+
+
+def _record_op(g, handle, ndargs, keys, vals, output_is_list):
+    mc = [_meta(a) for a in ndargs]
+    mode = (autograd.is_recording(), autograd.is_training())
+    vkey = tuple(vals)
+    try:
+        hash(vkey)
+    except TypeError:
+        vkey = tuple(str(v) for v in vals)
+    metas = tuple((m[0], m[1]) for m in mc)
+    ctx = mc[0][2]
+    key = ("op", handle, tuple(keys), vkey, metas, ctx, mode, output_is_list)
+    info = TABLE.get(key)
+    if info is None:
+        name = op_name(handle)
+        ctx = _check_ctx(mc, "operator %s" % name)
+        out_meta = infer_outputs(_orig_invoke, handle, metas, list(keys), list(vals), ctx)
+        rule = make_rule(name, list(keys), [str(v) for v in vals], [m[0] for m in metas],
+                         [m[0] for m in out_meta])
+        ex = OpExec(handle, name, rule, keys, [str(v) for v in vals], metas, out_meta,
+                    output_is_list, ctx, mode, _orig_invoke)
+        info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, rule is not None, name))
+    node = g.add(info, tuple(ndargs), _site(), mode)
+    outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
+    _maybe_autoflush(g)
+    if len(outs) == 1 and not output_is_list:
+        return outs[0]
+    return outs
+
+
+def _new_info(sid, key, ex, out_meta, batchable, name):
+    from ..signature import SigInfo
+    STATS.add(signatures=1)
+    return SigInfo(sid, key, ex, out_meta, batchable, name)
+
+
+# ---------------------------------------------------------------------------------------
+# blocks
+class BlockExec(object):
+    """Runs the nodes of one block signature as one call of the block's CachedOp."""
+    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked")
+
+    def __init__(self, block, fmt, in_meta, out_meta, ctx, mode):
+        self.block = block
+        self.fmt = fmt
+        self.in_meta = in_meta
+        self.out_meta = out_meta
+        self.ctx = ctx
+        self.mode = mode
+        self.checked = False
+
+    def launch(self, batch):
+        n = len(batch)
+        with self.ctx, backend.mode_scope(self.mode):
+            ins = [backend.gather([node.inputs[j] for node in batch], meta[0], self.ctx)
+                   for j, meta in enumerate(self.in_meta)]
+            it = iter(ins)
+            flat = [None if f == -1 else next(it) for f in _leaves(self.fmt)]
+            args = _regroup(flat, self.fmt)
+            out = self.block._call_cached_op(*args)  # pylint: disable=protected-access
+            outs, _ = _flatten(out, "output")
+        if not self.checked:
+            for o, m in zip(outs, self.out_meta):
+                if o.shape != backend.flat_shape(m[0], n):
+                    raise BatchingError(
+                        "block %s gave an output of shape %s for %d merged samples of "
+                        "per-sample output shape %s" % (self.block.name, o.shape, n, m[0]))
+            self.checked = True
+        for i, node in enumerate(batch):
+            node.batch = outs
+            node.row = i
+            node.inputs = ()
+
+
+def _leaves(fmt):
+    if isinstance(fmt, int):
+        if fmt > 0:
+            raise BatchingError("symbol inputs are not supported")
+        return [fmt]
+    res = []
+    for f in fmt:
+        res.extend(_leaves(f))
+    return res
+
+
+def _block_info(block, args, flat, fmt, mc, mode, key):
+    ctx = _check_ctx(mc, "block %s" % block.name)
+    try:
+        inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
+    except Exception as e:
+        raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
+                            % (block.name, type(e).__name__, e)) from e
+    if block._in_format != fmt:  # pylint: disable=protected-access
+        raise BatchingError(
+            "block %s was first called with argument structure %s and now with %s; a "
+            "hybridized block keeps one structure. Fix: pass a varying number of arrays "
+            "as one stacked array (e.g. nd.stack(*children, axis=1))."
+            % (block.name, block._in_format, fmt))  # pylint: disable=protected-access
+    names = [s.name for s in inputs]
+    shapes = [m[0] for m in mc]
+    dtypes = [m[1] for m in mc]
+    for i, s in enumerate(shapes):
+        if len(s) == 0:
+            raise BatchingError("block %s: argument %d has shape (); batching concatenates "
+                                "along axis 0. Fix: give it a leading axis." % (block.name, i))
+    try:
+        _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
+        _, o2, _ = out.infer_shape_partial(
+            **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
+        _, ot, _ = out.infer_type(**dict(zip(names, dtypes)))
+    except Exception as e:
+        raise BatchingError("block %s: output shapes cannot be inferred from inputs %s: %s"
+                            % (block.name, shapes, e)) from e
+    for k, (a, b) in enumerate(zip(o1, o2)):
+        if not a or 0 in a or not b:
+            raise BatchingError("block %s: the shape of output %d cannot be inferred from "
+                                "input shapes %s" % (block.name, k, shapes))
+        if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
+            raise BatchingError(
+                "block %s cannot be batched along axis 0: for inputs %s its output %d has "
+                "shape %s, but for twice the rows it has %s (expected %s). Dynamic "
+                "batching concatenates samples along axis 0, so every output row must "
+                "depend only on its own sample. Fix: keep a per-sample leading axis (e.g. "
+                "shape (1, K, H) instead of (K, H)) or hybridize this block without "
+                "dynamic_batch." % (block.name, shapes, k, a, b,
+                                    (2 * a[0],) + tuple(a[1:])))
+    import numpy as np
+    out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
+    ex = BlockExec(block, fmt, tuple(zip(shapes, dtypes)), out_meta, ctx, mode)
+    return TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
+
+
+def _record_block(self, g, x, args):
+    allargs = (x,) + args
+    if all(type(a) is LazyArray or type(a) is NDArray for a in allargs):
+        flat = allargs
+        fmt = [0] * len(allargs)
+    else:
+        flat, fmt = _flatten(allargs, "input")
+        if any(isinstance(a, Symbol) for a in flat):
+            return None
+        flat = [a for a in flat if a is not None]
+        for a in flat:
+            if not isinstance(a, NDArray):
+                raise BatchingError("block %s: argument of type %s; expected NDArray"
+                                    % (self.name, type(a).__name__))
+    mc = [_meta(a) for a in flat]
+    mode = (autograd.is_recording(), autograd.is_training())
+    key = ("blk", self._jb_token, str(fmt), tuple((m[0], m[1]) for m in mc), mc[0][2], mode)
+    info = TABLE.get(key)
+    if info is None:
+        info = _block_info(self, allargs, flat, fmt, mc, mode, key)
+    if not g.nodes:
+        cfg = self._jb_cfg
+        g.policy, g.budget = cfg.policy, cfg.budget
+    node = g.add(info, tuple(flat), _site(), mode)
+    ctx = mc[0][2]
+    outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
+    _maybe_autoflush(g)
+    return _regroup(outs, self._out_format)  # pylint: disable=protected-access
+
+
+def _forward(self, x, *args):
+    if self._jb_cfg is not None and self._active:
+        if isinstance(x, Symbol):
+            return _orig_forward(self, x, *args)
+        g = current_graph()
+        if not g.executing:
+            res = _record_block(self, g, x, args)
+            if res is not None:
+                return res
+    return _orig_forward(self, x, *args)
+
+
+_FLAG_KEYS = ("dynamic_batch", "policy", "analysis_budget")
+
+
+def _parse_flags(block, kwargs):
+    db = kwargs.pop("dynamic_batch", False)
+    policy = kwargs.pop("policy", "auto")
+    budget = kwargs.pop("analysis_budget", None)
+    if not isinstance(db, bool):
+        raise FlagError("hybridize(dynamic_batch=%r) on %s: expected True or False"
+                        % (db, block.name))
+    if policy not in POLICIES:
+        raise FlagError("hybridize(policy=%r) on %s: unknown policy; expected one of %s"
+                        % (policy, block.name, ", ".join(repr(p) for p in POLICIES)))
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise FlagError("hybridize(analysis_budget=%r) on %s: expected a number >= 0 "
+                            "(a fraction of the flush's predicted execution time) or None"
+                            % (budget, block.name))
+    if not db and ("policy" in kwargs or "analysis_budget" in kwargs):
+        pass
+    return BatchConfig(policy, None if budget is None else float(budget)) if db else None
+
+
+def _make_hybridize(orig):
+    def hybridize(self, active=True, *args, **kwargs):
+        ours = {k: kwargs.pop(k) for k in _FLAG_KEYS if k in kwargs}
+        outer = not getattr(_tls, "inside", False)
+        cfg = _parse_flags(self, ours) if outer else None
+        if outer:
+            if cfg is not None and not active:
+                raise FlagError("hybridize(active=False, dynamic_batch=True) on %s: dynamic "
+                                "batching runs hybridized blocks; pass active=True" % self.name)
+            g = current_graph()
+            if g.nodes:  # flags change: run what was recorded under the old ones
+                backend.flush_graph(g, reason="flags changed")
+        _tls.inside = True
+        try:
+            orig(self, active, *args, **kwargs)
+        finally:
+            if outer:
+                _tls.inside = False
+        if outer:
+            def setcfg(b):
+                if isinstance(b, HybridBlock):
+                    b._jb_cfg = cfg
+            self.apply(setcfg)
+    hybridize.__doc__ = orig.__doc__
+    hybridize.__wrapped__ = orig
+    return hybridize
+
+
+def _clear(self):
+    _orig_clear(self)
+    self._jb_token = object()  # new structure: old signatures no longer apply
+
+
+# ---------------------------------------------------------------------------------------
+def _set(owner, name, value):
+    _patches.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
+def install():
+    """Install the hooks (idempotent)."""
+    if _patches:
+        return
+    _set(HybridBlock, "_jb_cfg", None)
+    _set(HybridBlock, "_jb_token", None)
+    _set(HybridBlock, "forward", _forward)
+    _set(HybridBlock, "_clear_cached_op", _clear)
+    _set(Block, "hybridize", _make_hybridize(_orig_block_hybridize))
+    _set(HybridBlock, "hybridize", _make_hybridize(_orig_hybrid_hybridize))
+    _set(_register, "_imperative_invoke", _invoke)
+
+
+def uninstall():
+    """Flush this thread's graph and restore MXNet exactly as it was."""
+    if not _patches:
+        return
+    g = current_graph()
+    if g.nodes:
+        backend.flush_graph(g, reason="uninstall")
+    while _patches:
+        owner, name, orig = _patches.pop()
+        if orig is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, orig)
+    TABLE.clear()
+    _clear_all_flags()
+
+
+def _clear_all_flags():
+    """Instances keep ``_jb_cfg``/``_jb_token`` attributes; they are inert once the
+    patched methods are gone."""

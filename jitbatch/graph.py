@@ -1,0 +1,94 @@
+"""The lazy graph: nodes recorded per sample, one pending graph per thread."""
+import threading
+
+from .errors import StaleValueError
+
+
+class Ref(object):
+    """Mixin marking a lazy value. Subclasses define the slots ``_node`` (the
+    producing Node) and ``_k`` (its output index); everything else about the value
+    (views, shape) is the backend's business."""
+    __slots__ = ()
+
+
+class Node(object):
+    """One recorded per-sample call.
+
+    ``inputs`` holds the call's tensor arguments as given (lazy Refs or concrete
+    arrays), ``depth`` is 1 + the deepest pending producer, ``site`` a cheap call
+    site for error messages. After execution ``batch`` holds the launch's
+    outputs (flat batched arrays) and ``row`` this node's position in them."""
+    __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
+                 "error", "graph", "seq")
+
+    def __init__(self, info, inputs, depth, site, mode, graph, seq):
+        self.info = info
+        self.inputs = inputs
+        self.depth = depth
+        self.site = site
+        self.mode = mode
+        self.batch = None
+        self.row = -1
+        self.error = None
+        self.graph = graph
+        self.seq = seq
+
+    @property
+    def done(self):
+        return self.batch is not None
+
+    def __repr__(self):
+        state = "done" if self.batch is not None else ("failed" if self.error else "pending")
+        return "<Node #%d %s depth=%d %s>" % (self.seq, self.info.name, self.depth, state)
+
+
+def input_depth(inputs):
+    """1 + the depth of the deepest pending producer among ``inputs``."""
+    d = 0
+    for x in inputs:
+        if isinstance(x, Ref):
+            n = x._node
+            if n.batch is None and n.depth > d:
+                d = n.depth
+    return d + 1
+
+
+class Graph(object):
+    """The pending nodes of one thread, in record order."""
+
+    def __init__(self):
+        self.nodes = []
+        self.thread = threading.get_ident()
+        self.seq = 0
+        self.executing = False
+        self.policy = None
+        self.budget = None
+
+    def add(self, info, inputs, site, mode):
+        n = Node(info, inputs, input_depth(inputs), site, mode, self, self.seq)
+        self.seq += 1
+        self.nodes.append(n)
+        return n
+
+    def take(self):
+        """Remove and return the pending nodes (the flush owns them from here)."""
+        nodes, self.nodes = self.nodes, []
+        return nodes
+
+    def check_thread(self):
+        if threading.get_ident() != self.thread:
+            raise StaleValueError(
+                "a lazy array recorded in thread %d was used in thread %d: jitbatch graphs "
+                "are per thread. Fix: read the value (e.g. .asnumpy()) or call "
+                "jitbatch.flush() in the recording thread before handing it over."
+                % (self.thread, threading.get_ident()))
+
+
+_local = threading.local()
+
+
+def current_graph():
+    g = getattr(_local, "graph", None)
+    if g is None:
+        g = _local.graph = Graph()
+    return g

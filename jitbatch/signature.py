@@ -1,0 +1,58 @@
+"""Structural signatures, interned to small ints, with bounded per-signature metadata."""
+from collections import OrderedDict
+
+
+class SigInfo(object):
+    """What every node of one signature shares: computed once, when first seen.
+
+    ``op`` is the backend's executor for the signature; ``out_meta`` a tuple of
+    ``(shape, dtype)`` per output (per-sample shapes); ``batchable`` False means
+    nodes run one launch each (no batching rule)."""
+    __slots__ = ("id", "key", "op", "out_meta", "batchable", "name", "launch_cost",
+                 "launch_rows", "launches")
+
+    def __init__(self, sid, key, op, out_meta, batchable, name):
+        self.id = sid
+        self.key = key
+        self.op = op
+        self.out_meta = out_meta
+        self.batchable = batchable
+        self.name = name
+        self.launch_cost = 0.0   # measured seconds, summed
+        self.launch_rows = 0     # nodes run through those launches
+        self.launches = 0
+
+
+class SignatureTable(object):
+    """Interns signature tuples to SigInfo, least-recently-created evicted past
+    ``limit`` (a long run with ever-new shapes must not grow without bound)."""
+
+    def __init__(self, limit=4096):
+        self.limit = limit
+        self._table = OrderedDict()
+        self._next = 0
+        self.evictions = 0
+
+    def get(self, key):
+        return self._table.get(key)
+
+    def add(self, key, make):
+        """Create the SigInfo of ``key`` with ``make(sid)``, insert and return it."""
+        sid = self._next
+        self._next += 1
+        info = make(sid)
+        self._table[key] = info
+        while len(self._table) > self.limit:
+            self._table.popitem(last=False)
+            self.evictions += 1
+        return info
+
+    def discard_if(self, pred):
+        for k in [k for k, v in self._table.items() if pred(v)]:
+            del self._table[k]
+
+    def __len__(self):
+        return len(self._table)
+
+    def clear(self):
+        self._table.clear()

@@ -1,0 +1,51 @@
+"""Differential oracle: the same parameters and inputs, plain per-sample Gluon vs
+dynamic batching, outputs AND gradients."""
+import numpy as np
+from mxnet import autograd, nd
+
+import jitbatch
+
+
+def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False):
+    if flag:
+        net.hybridize(dynamic_batch=True, policy=policy)
+    elif hybridize_plain:
+        net.hybridize()
+    else:
+        net.hybridize(active=False)
+    params = net.collect_params()
+    for p in params.values():
+        if p.grad_req != "null" and p._data is not None:
+            p.zero_grad()
+    if train:
+        with autograd.record():
+            res = [apply(net, s) for s in samples]
+            total = nd.add_n(*[r[1] for r in res])
+        total.backward()
+    else:
+        res = [apply(net, s) for s in samples]
+    outs = [r[0].asnumpy() for r in res] + [r[1].asnumpy() for r in res]
+    grads = {k: p.grad().asnumpy().copy() for k, p in params.items()
+             if train and p.grad_req != "null"}
+    net.hybridize(active=False)
+    return outs, grads
+
+
+def assert_same(ref, got, rtol=1e-4, atol=1e-5):
+    (o1, g1), (o2, g2) = ref, got
+    assert len(o1) == len(o2)
+    for i, (a, b) in enumerate(zip(o1, o2)):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg="output %d" % i)
+    assert set(g1) == set(g2)
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], rtol=rtol, atol=atol, err_msg="grad " + k)
+
+
+def check_model(make, gen, apply, rng, n, train, policy):
+    net = make()
+    samples = gen(rng, n)
+    ref = run(net, apply, samples, train, flag=False)
+    jitbatch.reset_stats()
+    got = run(net, apply, samples, train, flag=True, policy=policy)
+    assert_same(ref, got)
+    return jitbatch.stats()
