@@ -2,12 +2,13 @@
 import time
 
 from . import cost, schedule
+from .graph import Group
 from .errors import ExecutionError, JitBatchError
 from .stats import STATS
 
 
 def _sites(batch, limit=3):
-    sites = [n.site for n in batch[:limit] if n.site]
+    sites = [str(n.site) for n in batch[:limit] if n.site]
     more = "" if len(batch) <= limit else " (and %d more samples)" % (len(batch) - limit)
     return "; ".join(sites) + more
 
@@ -23,6 +24,14 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     if policy == "auto":
         chosen, why, predicted = cost.MODEL.choose(nodes, budget)
     batches = schedule.SCHEDULERS[chosen](nodes)
+    for batch in batches:
+        g = Group(len(batch))
+        for i, n in enumerate(batch):
+            n.row = i
+            n.group = g
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(batches)
     t1 = time.perf_counter()
     graph.executing = True
     done = 0

@@ -19,7 +19,7 @@ class Node(object):
     site for error messages. After execution ``batch`` holds the launch's
     outputs (flat batched arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
-                 "error", "graph", "seq")
+                 "error", "graph", "seq", "group", "plan")
 
     def __init__(self, info, inputs, depth, site, mode, graph, seq):
         self.info = info
@@ -32,6 +32,8 @@ class Node(object):
         self.error = None
         self.graph = graph
         self.seq = seq
+        self.group = None   # the Group of its batch, once scheduled
+        self.plan = None    # backend's input plan of its batch (first node only)
 
     @property
     def done(self):
@@ -40,6 +42,15 @@ class Node(object):
     def __repr__(self):
         state = "done" if self.batch is not None else ("failed" if self.error else "pending")
         return "<Node #%d %s depth=%d %s>" % (self.seq, self.info.name, self.depth, state)
+
+
+class Group(object):
+    """One scheduled batch: its size, and its outputs once launched."""
+    __slots__ = ("size", "outs")
+
+    def __init__(self, size):
+        self.size = size
+        self.outs = None
 
 
 def input_depth(inputs):

@@ -44,8 +44,10 @@ def _producers(n):
 
 
 def by_agenda(nodes):
-    """DyNet's agenda: among signatures with ready nodes, run the one whose ready
-    nodes have the lowest average depth; all its ready nodes form one batch."""
+    """DyNet's agenda, refined: among signatures with ready nodes, prefer those
+    whose every pending node is ready (running them now merges all of them; running
+    one early splits it), then the lowest average depth; all its ready nodes form
+    one batch."""
     index = {id(n): i for i, n in enumerate(nodes)}
     waiting = [0] * len(nodes)
     users = [[] for _ in nodes]
@@ -55,18 +57,33 @@ def by_agenda(nodes):
             if j is not None:
                 waiting[i] += 1
                 users[j].append(i)
+    # priority: the as-late-as-possible level (critical path minus the height to
+    # the sinks): nodes that can wait (a head after a short tree) do, so they merge
+    # with their peers from longer samples
+    height = [1] * len(nodes)
+    for i in range(len(nodes) - 1, -1, -1):
+        for u in users[i]:
+            if height[u] + 1 > height[i]:
+                height[i] = height[u] + 1
+    top = max(height) if height else 0
+    level = [top - h for h in height]
     ready = {}        # sig id -> list of node indices
-    depth_sum = {}    # sig id -> sum of depths of ready nodes
+    depth_sum = {}    # sig id -> sum of levels of ready nodes
+    left = {}         # sig id -> nodes not yet run
+    for n in nodes:
+        left[n.info.id] = left.get(n.info.id, 0) + 1
     for i, n in enumerate(nodes):
         if waiting[i] == 0:
             sid = n.info.id
             ready.setdefault(sid, []).append(i)
-            depth_sum[sid] = depth_sum.get(sid, 0) + n.depth
+            depth_sum[sid] = depth_sum.get(sid, 0) + level[i]
     out = []
     while ready:
-        best = min(ready, key=lambda s: (depth_sum[s] / len(ready[s]), s))
+        best = min(ready, key=lambda s: (len(ready[s]) < left[s],
+                                         depth_sum[s] / len(ready[s]), s))
         idxs = ready.pop(best)
         del depth_sum[best]
+        left[best] -= len(idxs)
         batch = [nodes[i] for i in idxs]
         out.extend(_split_unbatchable(batch))
         for i in idxs:
@@ -75,7 +92,7 @@ def by_agenda(nodes):
                 if waiting[u] == 0:
                     sid = nodes[u].info.id
                     ready.setdefault(sid, []).append(u)
-                    depth_sum[sid] = depth_sum.get(sid, 0) + nodes[u].depth
+                    depth_sum[sid] = depth_sum.get(sid, 0) + level[u]
     if sum(len(b) for b in out) != len(nodes):
         raise AssertionError("agenda scheduling lost nodes (a cycle in the graph?)")
     return out

@@ -50,87 +50,147 @@ def mode_scope(mode):
     return autograd._RecordingStateScope(mode[0], mode[1])  # pylint: disable=protected-access
 
 
-def _segment(v):
-    """(source array, first row, row count, row shape) of one per-sample value."""
+def _segment(v, sizes):
+    """(source key, source, first row, row count, row shape, source rows) of one
+    per-sample value. ``source`` is a Group (resolved to its output at launch)
+    or a concrete array."""
     node = v._node if type(v) is LazyArray else None
     if node is None or node is DETACHED:
-        if node is DETACHED:
-            v = v._value
-        shp = v.shape
-        return v, 0, shp[0], shp[1:]
+        arr = v._value if node is DETACHED else v
+        shp = sizes.get(id(arr))
+        if shp is None:
+            shp = sizes[id(arr)] = arr.shape
+        return id(arr), arr, 0, shp[0], shp[1:], shp[0]
     src_shape = node.info.out_meta[v._k][0]
-    b = rows_of(src_shape)
+    b = src_shape[0] if src_shape else 1
+    grp = node.group
     base = node.row * b
-    src = node.batch[v._k]
     view = v._view
+    key = (id(grp), v._k)
     if view is None:
-        return src, base, b, src_shape[1:]
-    return src, base + view[0], view[1], src_shape[1:]
+        return key, (grp, v._k), base, b, src_shape[1:], grp.size * b
+    return key, (grp, v._k), base + view[0], view[1], src_shape[1:], grp.size * b
 
 
-def gather(values, shape, ctx):
-    """Gather per-sample ``values`` (all of per-sample ``shape``) into the flat layout."""
+class Plan(object):
+    """How one argument of one batch is gathered: ``kind`` is 'id' (the source
+    as is), 'slice', 'take', 'concat', 'concat_take' or 'each' (per sample)."""
+    __slots__ = ("kind", "srcs", "start", "stop", "want", "values")
+
+    def __init__(self, kind, srcs, start, stop, want, values=None):
+        self.kind = kind
+        self.srcs = srcs
+        self.start = start
+        self.stop = stop
+        self.want = want
+        self.values = values
+
+
+def plan_gather(values, shape, index, sizes):
+    """Plan the gather of per-sample ``values`` (all of per-sample ``shape``) into
+    the flat layout; index lists are appended to ``index`` (one copy per flush)."""
     n = len(values)
-    segs = [_segment(v) for v in values]
-    rs = segs[0][3]
-    if any(s[3] != rs for s in segs):
+    want = flat_shape(shape, n)
+    segs = [_segment(v, sizes) for v in values]
+    rs = segs[0][4]
+    if any(s[4] != rs for s in segs):
+        return Plan("each", None, 0, 0, want, list(values))
+    key0 = segs[0][0]
+    if all(s[0] == key0 for s in segs):
+        start = pos = segs[0][2]
+        for s in segs:
+            if s[2] != pos:
+                break
+            pos += s[3]
+        else:
+            kind = "id" if start == 0 and pos == segs[0][5] else "slice"
+            return Plan(kind, [segs[0][1]], start, pos, want)
+        a = len(index)
+        for s in segs:
+            index.extend(range(s[2], s[2] + s[3]))
+        return Plan("take", [segs[0][1]], a, len(index), want)
+    srcs, offsets, off = [], {}, 0
+    for s in segs:
+        if s[0] not in offsets:
+            offsets[s[0]] = off
+            srcs.append(s[1])
+            off += s[5]
+    if len(srcs) == n and all(s[2] == 0 and s[3] == s[5] for s in segs):
+        return Plan("concat", srcs, 0, 0, want)
+    a = len(index)
+    for s in segs:
+        base = offsets[s[0]] + s[2]
+        index.extend(range(base, base + s[3]))
+    return Plan("concat_take", srcs, a, len(index), want)
+
+
+def _src(s):
+    if type(s) is tuple:
+        return s[0].outs[s[1]]
+    return s
+
+
+def run_gather(plan, index_nd):
+    kind = plan.kind
+    if kind == "id":
+        out = _src(plan.srcs[0])
+    elif kind == "slice":
+        out = nd.slice_axis(_src(plan.srcs[0]), axis=0, begin=plan.start, end=plan.stop)
+    elif kind == "take":
+        out = nd.take(_src(plan.srcs[0]), index_nd[plan.start:plan.stop], axis=0)
+    elif kind == "concat":
+        out = nd.concat(*[_src(s) for s in plan.srcs], dim=0)
+    elif kind == "concat_take":
+        big = nd.concat(*[_src(s) for s in plan.srcs], dim=0)
+        out = nd.take(big, index_nd[plan.start:plan.stop], axis=0)
+    else:
         # mixed producers whose row shapes differ (e.g. a squeezed view beside a
         # plain array): bring each sample to its own array, then concatenate
-        parts = [row_value(v) if type(v) is LazyArray else v for v in values]
-        parts = [p.reshape(flat_shape(shape, 1)) for p in parts]
-        STATS.add(gather_ops=1 + len(parts))
+        parts = [row_value(v) if type(v) is LazyArray else v for v in plan.values]
+        per = (plan.want[0] // len(parts),) + tuple(plan.want[1:])
+        parts = [p.reshape(per) if p.shape != per else p for p in parts]
         out = nd.concat(*parts, dim=0) if len(parts) > 1 else parts[0]
-        return out
-    src0 = segs[0][0]
-    out = None
-    if all(s[0] is src0 for s in segs):
-        start = segs[0][1]
-        pos = start
-        contiguous = True
-        for s in segs:
-            if s[1] != pos:
-                contiguous = False
-                break
-            pos += s[2]
-        if contiguous:
-            if start == 0 and pos == src0.shape[0]:
-                out = src0
-            else:
-                out = nd.slice_axis(src0, axis=0, begin=start, end=pos)
-                STATS.add(gather_ops=1)
-        else:
-            out = nd.take(src0, _index(segs, {id(src0): 0}, ctx), axis=0)
-            STATS.add(gather_ops=2)
-    else:
-        srcs, offsets, off = [], {}, 0
-        for s in segs:
-            if id(s[0]) not in offsets:
-                offsets[id(s[0])] = off
-                srcs.append(s[0])
-                off += s[0].shape[0]
-        whole = len(srcs) == n and all(s[1] == 0 and s[2] == s[0].shape[0] for s in segs)
-        big = nd.concat(*srcs, dim=0)
-        if whole:
-            out = big
-            STATS.add(gather_ops=1)
-        else:
-            out = nd.take(big, _index(segs, offsets, ctx), axis=0)
-            STATS.add(gather_ops=3)
-    want = flat_shape(shape, n)
-    if out.shape != want:
-        out = out.reshape(want)
+    if out.shape != plan.want:
+        out = out.reshape(plan.want)
     return out
 
 
-def _index(segs, offsets, ctx):
-    idx = []
-    for s in segs:
-        base = offsets[id(s[0])] + s[1]
-        if s[2] == 1:
-            idx.append(base)
-        else:
-            idx.extend(range(base, base + s[2]))
-    return nd.array(np.asarray(idx, dtype=np.int64), ctx=ctx, dtype="int64")
+def prepare(batches):
+    """Plan every batched launch's input gathers, with one host-to-device copy of
+    all index lists per context."""
+    index = {}      # context -> index list
+    sizes = {}
+    planned = []
+    gathers = 0
+    for batch in batches:
+        first = batch[0]
+        if not first.info.batchable:
+            continue
+        ex = first.info.op
+        lst = index.setdefault(ex.ctx, [])
+        first.plan = [plan_gather([node.inputs[j] for node in batch], meta[0], lst, sizes)
+                      for j, meta in enumerate(ex.in_meta)]
+        gathers += sum(p.kind != "id" for p in first.plan)
+        planned.append(first)
+    arrays = {ctx: nd.array(np.asarray(lst, dtype=np.int64), ctx=ctx, dtype="int64")
+              for ctx, lst in index.items() if lst}
+    for first in planned:
+        first.plan = (first.plan, arrays.get(first.info.op.ctx))
+    STATS.add(gather_ops=gathers)
+
+
+def gather_batch(batch):
+    """The flat inputs of a planned batch."""
+    plans, idx = batch[0].plan
+    batch[0].plan = None
+    return [run_gather(p, idx) for p in plans]
+
+
+def finish(batch, outs):
+    batch[0].group.outs = outs
+    for node in batch:
+        node.batch = outs
+        node.inputs = ()
 
 
 def row_value(v):
@@ -165,6 +225,7 @@ def row_value(v):
 
 class Backend(object):
     """The object ``jitbatch.execute.flush`` drives."""
+    prepare = staticmethod(prepare)
 
     @staticmethod
     def launch(batch):

@@ -48,21 +48,42 @@ def installed():
     return bool(_patches)
 
 
+_skip_file = {}
+
+
+def _skipped(fn):
+    r = _skip_file.get(fn)
+    if r is None:
+        r = _skip_file[fn] = any(s in fn for s in _SKIP)
+    return r
+
+
 def _site():
-    """``file:line in function`` of the user's call (skipping MXNet and jitbatch)."""
+    """``file:line in function`` of the user's call (skipping MXNet and jitbatch),
+    kept as a tuple; formatted only when an error needs it."""
     if _config.debug:
         import traceback
         stack = traceback.extract_stack()[:-2]
-        return "".join(traceback.format_list([f for f in stack if not any(s in f.filename for s in _SKIP)]))
+        return "".join(traceback.format_list([f for f in stack if not _skipped(f.filename)]))
     f = sys._getframe(2)  # pylint: disable=protected-access
-    for _ in range(8):
-        if f is None:
-            break
-        fn = f.f_code.co_filename
-        if not any(s in fn for s in _SKIP):
-            return "%s:%d in %s" % (fn, f.f_lineno, f.f_code.co_name)
+    while f is not None and _skipped(f.f_code.co_filename):
         f = f.f_back
-    return "?"
+    if f is None:
+        return "?"
+    return Site(f.f_code, f.f_lineno)
+
+
+class Site(object):
+    __slots__ = ("code", "line")
+
+    def __init__(self, code, line):
+        self.code = code
+        self.line = line
+
+    def __str__(self):
+        return "%s:%d in %s" % (self.code.co_filename, self.line, self.code.co_name)
+
+    __repr__ = __str__
 
 
 def _meta(a):
@@ -161,9 +182,7 @@ class BlockExec(object):
     def launch(self, batch):
         n = len(batch)
         with self.ctx, backend.mode_scope(self.mode):
-            ins = [backend.gather([node.inputs[j] for node in batch], meta[0], self.ctx)
-                   for j, meta in enumerate(self.in_meta)]
-            it = iter(ins)
+            it = iter(backend.gather_batch(batch))
             flat = [None if f == -1 else next(it) for f in _leaves(self.fmt)]
             args = _regroup(flat, self.fmt)
             out = self.block._call_cached_op(*args)  # pylint: disable=protected-access
@@ -175,10 +194,7 @@ class BlockExec(object):
                         "block %s gave an output of shape %s for %d merged samples of "
                         "per-sample output shape %s" % (self.block.name, o.shape, n, m[0]))
             self.checked = True
-        for i, node in enumerate(batch):
-            node.batch = outs
-            node.row = i
-            node.inputs = ()
+        backend.finish(batch, outs)
 
 
 def _leaves(fmt):
@@ -266,7 +282,10 @@ def _record_block(self, g, x, args):
     ctx = mc[0][2]
     outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
-    return _regroup(outs, self._out_format)  # pylint: disable=protected-access
+    fmt = self._out_format  # pylint: disable=protected-access
+    if fmt == _FLAT.get(len(outs)):
+        return outs if len(outs) > 1 else outs[0]
+    return _regroup(outs, fmt)
 
 
 def _forward(self, x, *args):
@@ -281,6 +300,8 @@ def _forward(self, x, *args):
     return _orig_forward(self, x, *args)
 
 
+_FLAT = {n: [0] * n for n in range(1, 16)}
+_FLAT[1] = 0
 _FLAG_KEYS = ("dynamic_batch", "policy", "analysis_budget")
 
 

@@ -12,7 +12,7 @@ from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.base import _LIB, OpHandle, c_str, check_call, py_str
 
-from .backend import flat_shape, gather, mode_scope, row_value
+from .backend import finish, flat_shape, gather_batch, mode_scope, row_value
 
 _ELEMWISE = set("""
 Activation sigmoid tanh relu softsign exp expm1 log log1p log2 log10 sqrt rsqrt cbrt square abs
@@ -138,7 +138,7 @@ def make_rule(name, keys, vals, in_shapes, out_shapes):
             new = (0,) + new
         if name == "norm" and len(new) > 2:
             return None
-        if name in ("argmax", "argmin") or name.endswith("_axis"):
+        if name in ("argmax", "argmin"):
             if len(new) != 1:
                 return None
             new = new[0]
@@ -210,12 +210,12 @@ class OpExec(object):
             if self.kind is None:
                 for node in batch:
                     args = [row_value(x) if hasattr(x, "_node") else x for x in node.inputs]
-                    node.batch = self._call(args, self.keys, self.vals)
+                    outs = self._call(args, self.keys, self.vals)
                     node.row = 0
-                    node.inputs = ()
+                    node.group.size = 1
+                    finish([node], outs)
                 return
-            ins = [gather([node.inputs[j] for node in batch], meta[0], self.ctx)
-                   for j, meta in enumerate(self.in_meta)]
+            ins = gather_batch(batch)
             if n == 1 or self.kind == "elemwise":
                 # one sample's flat layout is its own shape: the call as recorded
                 outs = self._call(ins, self.keys, self.vals)
@@ -232,10 +232,7 @@ class OpExec(object):
                             "jitbatch bug: batching rule %s of %s gave shape %s for %d samples "
                             "of per-sample shape %s" % (self.kind, self.name, o.shape, n, m[0]))
                 self.checked = True
-        for i, node in enumerate(batch):
-            node.batch = outs
-            node.row = i
-            node.inputs = ()
+        finish(batch, outs)
 
 
 def infer_outputs(invoke, handle, metas, keys, vals, ctx):
