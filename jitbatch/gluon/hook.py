@@ -3,6 +3,8 @@ interception. Every patch is recorded and reverted by ``uninstall()``."""
 import sys
 import threading
 
+import numpy as np
+
 from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.gluon import block as _block
@@ -228,6 +230,14 @@ def _block_info(block, args, flat, fmt, mc, mode, key):
         if len(s) == 0:
             raise BatchingError("block %s: argument %d has shape (); batching concatenates "
                                 "along axis 0. Fix: give it a leading axis." % (block.name, i))
+    kinds = sorted(set(np.dtype(d).name for d in dtypes))
+    if len(kinds) > 1:
+        first = np.dtype(dtypes[0]).name
+        odd = next(i for i, d in enumerate(dtypes) if np.dtype(d).name != first)
+        raise BatchingError(
+            "block %s: argument %d is %s but argument 0 is %s; a call's arrays must share "
+            "one dtype. Fix: cast it with .astype('%s')."
+            % (block.name, odd, np.dtype(dtypes[odd]).name, first, first))
     try:
         _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
         _, o2, _ = out.infer_shape_partial(
@@ -249,7 +259,6 @@ def _block_info(block, args, flat, fmt, mc, mode, key):
                 "shape (1, K, H) instead of (K, H)) or hybridize this block without "
                 "dynamic_batch." % (block.name, shapes, k, a, b,
                                     (2 * a[0],) + tuple(a[1:])))
-    import numpy as np
     out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
     ex = BlockExec(block, fmt, tuple(zip(shapes, dtypes)), out_meta, ctx, mode)
     return TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))

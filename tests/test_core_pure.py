@@ -1,0 +1,109 @@
+"""The core (graph, signature, schedule, cost, execute, stats) is framework-free:
+it imports with MXNet absent, and its schedulers give exact launch counts."""
+import subprocess
+import sys
+
+import pytest
+
+from jitbatch import cost, schedule
+from jitbatch.execute import flush
+from jitbatch.graph import Graph, Ref
+from jitbatch.signature import SigInfo, SignatureTable
+
+CORE = ["jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatch.cost",
+        "jitbatch.execute", "jitbatch.stats", "jitbatch.errors", "jitbatch.config"]
+
+
+def test_core_imports_without_mxnet():
+    code = ("import sys; sys.modules['mxnet'] = None\n"
+            "import %s\n"
+            "assert not any(m == 'mxnet' or m.startswith('mxnet.') for m in sys.modules "
+            "if sys.modules[m] is not None), 'mxnet got imported'\n"
+            "import jitbatch; assert jitbatch.LazyArray is None\n"
+            "print('ok')" % ", ".join(CORE))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+class V(Ref):
+    """A fake lazy value: the output of a node."""
+    __slots__ = ("_node", "_k")
+
+    def __init__(self, node):
+        self._node = node
+        self._k = 0
+
+
+class FakeBackend(object):
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, batch):
+        assert all(n.info is batch[0].info for n in batch)
+        for n in batch:  # producers ran before
+            for x in n.inputs:
+                if isinstance(x, Ref):
+                    assert x._node.batch is not None
+        self.launches.append(len(batch))
+        for n in batch:
+            n.batch = ["out"]
+
+
+def _tree_graph(n_trees, depth, table):
+    g = Graph()
+    cell = table.add("cell", lambda i: SigInfo(i, "cell", None, (((1, 4), "f"),), True, "cell"))
+
+    def build(d):
+        if d == 1:
+            return V(g.add(cell, ("x",), None, (False, False)))
+        left, right = build(d - 1), build(d - 1)
+        return V(g.add(cell, ("x", left, right), None, (False, False)))
+    for _ in range(n_trees):
+        build(depth)
+    return g
+
+
+@pytest.mark.parametrize("policy,expected", [("depth", 4), ("agenda", 4), ("sequential", 5 * 15)])
+def test_launch_counts_identical_trees(policy, expected):
+    table = SignatureTable()
+    g = _tree_graph(5, 4, table)
+    be = FakeBackend()
+    flush(g, be, policy=policy)
+    assert len(be.launches) == expected
+    assert sum(be.launches) == 5 * 15
+
+
+def test_agenda_waits_for_late_peers():
+    """A head after a short chain waits for the head after a long chain."""
+    table = SignatureTable()
+    step = table.add("s", lambda i: SigInfo(i, "s", None, (), True, "step"))
+    head = table.add("h", lambda i: SigInfo(i, "h", None, (), True, "head"))
+    g = Graph()
+    for length in (1, 4):
+        x = V(g.add(step, (), None, (False, False)))
+        for _ in range(length - 1):
+            x = V(g.add(step, (x,), None, (False, False)))
+        g.add(head, (x,), None, (False, False))
+    order = [b[0].info.name for b in schedule.by_agenda(list(g.nodes))]
+    assert order.count("head") == 1
+    assert len(schedule.by_depth(list(g.nodes))) == 6  # depth splits the heads
+
+
+def test_signature_table_is_bounded():
+    t = SignatureTable(limit=3)
+    for k in range(10):
+        t.add(k, lambda i: SigInfo(i, k, None, (), True, str(k)))
+    assert len(t) == 3 and t.evictions == 7 and t.get(9) is not None and t.get(0) is None
+
+
+def test_auto_runs_sequential_when_nothing_repeats():
+    table = SignatureTable()
+    g = Graph()
+    prev = None
+    for k in range(4):
+        info = table.add(k, lambda i: SigInfo(i, k, None, (), True, "op%d" % k))
+        prev = V(g.add(info, (prev,) if prev else (), None, (False, False)))
+    pol, why, _ = cost.MODEL.choose(list(g.nodes), None)
+    assert pol == "sequential" and "nothing to merge" in why

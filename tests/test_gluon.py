@@ -1,0 +1,272 @@
+"""Gluon behaviour under dynamic batching: exact launch counts, autograd modes,
+Gluon features, lazy-array semantics, errors and failure isolation."""
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import HybridBlock, nn
+
+import jitbatch
+from harness import assert_same, run
+from models import BinaryTreeNet, binary_samples
+
+
+def _binary(depth, n, policy):
+    net = BinaryTreeNet()
+    net.initialize(mx.init.Uniform(0.5))
+    samples = binary_samples(np.random.default_rng(0), n, depth=depth)
+    net.hybridize(dynamic_batch=True, policy=policy)
+    jitbatch.reset_stats()
+    outs = [net(*s) for s in samples]
+    jitbatch.flush()
+    return outs, jitbatch.stats()
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_identical_trees_take_one_launch_per_level(policy, depth):
+    # one cell launch per tree level plus one for the heads, whatever the count
+    _, st = _binary(depth, 7, policy)
+    assert st["nodes"] == 7 * (2 ** depth - 1) + 7
+    assert st["launches"] == depth + 1
+
+
+def test_sequential_takes_one_launch_per_node():
+    _, st = _binary(3, 4, "sequential")
+    assert st["launches"] == st["nodes"] == 4 * 8
+
+
+def test_lazy_arrays_look_like_ndarrays():
+    net = nn.Dense(3, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    jitbatch.reset_stats()
+    y = net(nd.ones((1, 2)))
+    assert isinstance(y, nd.NDArray) and jitbatch.is_lazy(y)
+    assert y.shape == (1, 3) and y.dtype == np.float32 and y.context == mx.cpu()
+    z = nd.relu(y * 2 + 1)[0]          # operators and indexing stay lazy
+    w = gluon.loss.L2Loss()(z.reshape((1, 3)), nd.zeros((1, 3)))
+    assert jitbatch.is_lazy(w) and jitbatch.stats()["flushes"] == 0
+    assert "pending" in repr(w)
+    val = w.asscalar()                 # a read forces the graph
+    st = jitbatch.stats()
+    assert st["flushes"] == 1 and st["forced_flushes"] == 1 and not jitbatch.is_lazy(w)
+    net.hybridize(active=False)
+    ref = gluon.loss.L2Loss()(nd.relu(net(nd.ones((1, 2))) * 2 + 1), nd.zeros((1, 3)))
+    assert np.allclose(val, ref.asscalar(), rtol=1e-5)
+
+
+def test_bool_and_inplace_write_force():
+    net = nn.Dense(1, in_units=1, weight_initializer=mx.init.One(), bias_initializer="zeros")
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    y = net(nd.ones((1, 1)))
+    assert bool(y)
+    y2 = net(nd.ones((1, 1)) * 2)
+    y2 += 1                                  # in-place on a lazy array
+    y2[:] = y2 * 10
+    assert y2.asscalar() == 30.0
+
+
+class Drop(HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.Dropout(x, p=0.5)
+
+
+def test_autograd_mode_is_the_one_recorded_under():
+    net = Drop()
+    net.hybridize(dynamic_batch=True)
+    x = nd.ones((1, 200))
+    x.attach_grad()
+    with autograd.record(train_mode=False):
+        y = net(x)                            # predict mode: identity
+        s = nd.sum(y)
+    s.backward()                              # the flush happens here, outside record
+    assert np.all(y.asnumpy() == 1) and np.all(x.grad.asnumpy() == 1)
+    with autograd.record(train_mode=True):
+        y = net(x)
+        s = nd.sum(y)
+    s.backward()
+    v = y.asnumpy()
+    assert (v == 0).any() and (v == 2).any()  # dropout applied in training mode
+    assert np.allclose(x.grad.asnumpy(), v)
+    with autograd.predict_mode():
+        assert np.all(net(x).asnumpy() == 1)
+
+
+def test_nodes_recorded_outside_record_have_no_history():
+    def go(flag):
+        net = nn.Dense(2, in_units=2, weight_initializer=mx.init.Constant(0.5))
+        net.initialize()
+        net.hybridize(dynamic_batch=True) if flag else net.hybridize(active=False)
+        x = nd.array([[1.0, 2.0]])
+        x.attach_grad()
+        y = net(x)                             # not recorded
+        with autograd.record():
+            z = nd.sum(y * x)
+        z.backward()
+        return x.grad.asnumpy(), net.weight.grad().asnumpy()
+    (g1, w1), (g2, w2) = go(False), go(True)
+    assert np.allclose(g1, g2) and np.allclose(w1, w2) and not w2.any()
+
+
+class Shared(gluon.Block):
+    def __init__(self, **kw):
+        super(Shared, self).__init__(**kw)
+        with self.name_scope():
+            self.a = nn.Dense(3, in_units=3)
+            self.b = nn.Dense(3, in_units=3, params=self.a.params)   # shared weights
+            self.c = nn.Dense(1)                                     # deferred in_units
+
+    def forward(self, x):
+        return self.c(nd.tanh(self.a(x)) + self.b(x * x))
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_shared_params_deferred_init_trainer(policy):
+    rng = np.random.default_rng(3)
+    samples = [nd.array(rng.normal(size=(1, 3))) for _ in range(5)]
+
+    def train(flag):
+        mx.random.seed(1)
+        net = Shared()
+        net.initialize(mx.init.Uniform(0.5))
+        if flag:
+            net.hybridize(dynamic_batch=True, policy=policy)
+        tr = gluon.Trainer(net.collect_params(), "adagrad", {"learning_rate": 0.1})
+        losses = []
+        for _ in range(3):
+            with autograd.record():
+                loss = nd.add_n(*[gluon.loss.L2Loss()(net(x), nd.ones((1, 1))) for x in samples])
+            loss.backward()
+            tr.step(len(samples))
+            losses.append(loss.asscalar())
+        return losses, {k[len(net.prefix):]: p.data().asnumpy() for k, p in net.collect_params().items()}
+    (l1, p1), (l2, p2) = train(False), train(True)
+    assert np.allclose(l1, l2, rtol=1e-5)
+    for k in p1:
+        assert np.allclose(p1[k], p2[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_blocks_without_the_flag_mix_with_flagged_ones():
+    from models import dag_model, dag_samples, dag_apply
+    net = dag_model()
+    samples = dag_samples(np.random.default_rng(5), 4)
+    ref = run(net, dag_apply, samples, True, flag=False)
+    net.enc.hybridize(dynamic_batch=True)      # only one child flagged
+    net.plain.hybridize()                      # hybridized without the flag: forces
+    got = run(net, dag_apply, samples, True, flag=False)
+    assert_same(ref, got)
+
+
+# -- flags and errors -----------------------------------------------------------------------
+def test_bad_flags_are_rejected_at_hybridize():
+    net = nn.Dense(2)
+    with pytest.raises(jitbatch.FlagError, match=r"dynamic_batch='yes'.*expected True or False"):
+        net.hybridize(dynamic_batch="yes")
+    with pytest.raises(jitbatch.FlagError, match=r"policy='fast'.*'auto', 'depth', 'agenda'"):
+        net.hybridize(dynamic_batch=True, policy="fast")
+    with pytest.raises(jitbatch.FlagError, match=r"analysis_budget=-1.*number >= 0"):
+        net.hybridize(dynamic_batch=True, analysis_budget=-1)
+    with pytest.raises(jitbatch.FlagError, match="active=False"):
+        net.hybridize(False, dynamic_batch=True)
+
+
+def test_flag_reaches_all_descendants_and_turns_off():
+    net = Shared()
+    net.hybridize(dynamic_batch=True, policy="depth")
+    assert all(b._jb_cfg is not None and b._jb_cfg.policy == "depth"
+               for b in (net.a, net.b, net.c))
+    net.hybridize()
+    assert all(b._jb_cfg is None for b in (net.a, net.b, net.c))
+
+
+class SumRows(HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.sum(x, axis=0, keepdims=True)
+
+
+def test_unbatchable_shape_is_named():
+    net = SumRows()
+    net.hybridize(dynamic_batch=True)
+    with pytest.raises(jitbatch.BatchingError,
+                       match=r"sumrows\d+ cannot be batched along axis 0.*\(3, 2\).*expected \(2, 2\)"):
+        net(nd.ones((3, 2)))
+
+
+def test_mixed_contexts_in_one_call():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+
+    class Two(HybridBlock):
+        def hybrid_forward(self, F, a, b):
+            return a + b
+    two = Two()
+    two.hybridize(dynamic_batch=True)
+    with pytest.raises(jitbatch.BatchingError, match=r"argument 1 is on cpu\(1\).*as_in_context"):
+        two(nd.ones((1, 2)), nd.ones((1, 2), ctx=mx.cpu(1)))
+
+
+def test_mixed_dtypes_in_one_call():
+    class Two(HybridBlock):
+        def hybrid_forward(self, F, a, b):
+            return a + b
+    two = Two()
+    two.hybridize(dynamic_batch=True)
+    with pytest.raises(jitbatch.BatchingError, match=r"two\d+: argument 1 is float16 but argument 0 is float32.*astype\(.float32.\)"):
+        two(nd.ones((1, 2)), nd.ones((1, 2), dtype="float16"))
+
+
+def test_argument_structure_change_is_explained():
+    class Cat(HybridBlock):
+        def hybrid_forward(self, F, *xs):
+            return F.concat(*xs, dim=1)
+    cat = Cat()
+    cat.hybridize(dynamic_batch=True)
+    cat(nd.ones((1, 2)), nd.ones((1, 2)))
+    with pytest.raises(jitbatch.BatchingError, match=r"argument structure.*nd.stack"):
+        cat(nd.ones((1, 2)), nd.ones((1, 2)), nd.ones((1, 2)))
+    jitbatch.flush()
+
+
+def test_failure_in_merged_execution_names_site_and_recovers():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    before = net.weight.data().asnumpy().copy()
+    net.hybridize(dynamic_batch=True)
+    good = net(nd.ones((1, 2)))
+    jitbatch.flush()
+
+    def boom(*a):
+        raise RuntimeError("kernel exploded")
+    net._call_cached_op = boom
+    ys = [net(nd.ones((1, 2)) * i) for i in range(3)]   # this line is the call site
+    with pytest.raises(jitbatch.ExecutionError,
+                       match=r"(?s)3 call\(s\) to dense\d+ failed: RuntimeError: kernel exploded.*"
+                             r"test_gluon.py:\d+ in <listcomp>|test_gluon.py:\d+ in test_failure"):
+        ys[0].asnumpy()
+    with pytest.raises(jitbatch.StaleValueError, match="execution failed: RuntimeError: kernel exploded"):
+        ys[1].asnumpy()
+    del net._call_cached_op
+    assert jitbatch.current_graph().nodes == []
+    assert np.array_equal(net.weight.data().asnumpy(), before)
+    again = net(nd.ones((1, 2)))
+    assert np.allclose(again.asnumpy(), good.asnumpy())
+
+
+def test_uninstall_restores_mxnet_and_install_is_idempotent():
+    from mxnet.gluon.block import HybridBlock as HB
+    patched = HB.forward
+    jitbatch.install()
+    assert HB.forward is patched
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    y = net(nd.ones((1, 2)))
+    jitbatch.uninstall()
+    try:
+        assert HB.forward is not patched and not jitbatch.gluon.installed()
+        assert y.shape == (1, 2) and y.asnumpy().shape == (1, 2)   # flushed on uninstall
+        assert not isinstance(net(nd.ones((1, 2))), jitbatch.LazyArray)
+    finally:
+        jitbatch.install()
