@@ -26,9 +26,14 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     batches = schedule.SCHEDULERS[chosen](nodes)
     for batch in batches:
         g = Group(len(batch))
+        off = 0
         for i, n in enumerate(batch):
             n.row = i
             n.group = g
+            if n.rows is not None:
+                n.off = off
+                off += n.rows
+        g.rows = off
     prepare = getattr(backend, "prepare", None)
     if prepare is not None:
         prepare(batches)

@@ -19,9 +19,9 @@ class Node(object):
     site for error messages. After execution ``batch`` holds the launch's
     outputs (flat batched arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
-                 "error", "graph", "seq", "group", "plan")
+                 "error", "graph", "seq", "group", "plan", "rows", "off")
 
-    def __init__(self, info, inputs, depth, site, mode, graph, seq):
+    def __init__(self, info, inputs, depth, site, mode, graph, seq, rows=None):
         self.info = info
         self.inputs = inputs
         self.depth = depth
@@ -34,6 +34,8 @@ class Node(object):
         self.seq = seq
         self.group = None   # the Group of its batch, once scheduled
         self.plan = None    # backend's input plan of its batch (first node only)
+        self.rows = rows    # leading length of a ragged signature's node, else None
+        self.off = 0        # first row of a ragged node in its batch's outputs
 
     @property
     def done(self):
@@ -46,11 +48,12 @@ class Node(object):
 
 class Group(object):
     """One scheduled batch: its size, and its outputs once launched."""
-    __slots__ = ("size", "outs")
+    __slots__ = ("size", "outs", "rows")
 
     def __init__(self, size):
         self.size = size
         self.outs = None
+        self.rows = 0       # total leading rows of a ragged batch
 
 
 def input_depth(inputs):
@@ -75,8 +78,8 @@ class Graph(object):
         self.policy = None
         self.budget = None
 
-    def add(self, info, inputs, site, mode):
-        n = Node(info, inputs, input_depth(inputs), site, mode, self, self.seq)
+    def add(self, info, inputs, site, mode, rows=None):
+        n = Node(info, inputs, input_depth(inputs), site, mode, self, self.seq, rows)
         self.seq += 1
         self.nodes.append(n)
         return n

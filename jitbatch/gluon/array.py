@@ -89,7 +89,8 @@ class LazyArray(NDArray, Ref):
 
     # -- lazy structure operations ---------------------------------------------------
     def __getitem__(self, key):
-        view = _basic_row_view(self, key)
+        view = _basic_row_view(self, key) if type(key) is slice or type(key) is int \
+            else _basic_row_view(self, key) if isinstance(key, numbers.Integral) else None
         if view is not None:
             return view
         if isinstance(key, (numbers.Integral, slice)):
@@ -123,7 +124,7 @@ def _basic_row_view(arr, key):
     """``x[i]`` / ``x[a:b]`` along axis 0 as a free view, or None if not that case."""
     shape = arr._shape
     n = shape[0]
-    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+    if type(key) is not slice:
         i = int(key)
         if i < 0:
             i += n

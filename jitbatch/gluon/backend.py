@@ -62,14 +62,20 @@ def _segment(v, sizes):
             shp = sizes[id(arr)] = arr.shape
         return id(arr), arr, 0, shp[0], shp[1:], shp[0]
     src_shape = node.info.out_meta[v._k][0]
-    b = src_shape[0] if src_shape else 1
     grp = node.group
-    base = node.row * b
+    if node.rows is None:
+        b = src_shape[0] if src_shape else 1
+        base = node.row * b
+        full = grp.size * b
+    else:
+        b = node.rows
+        base = node.off
+        full = grp.rows
     view = v._view
     key = (id(grp), v._k)
     if view is None:
-        return key, (grp, v._k), base, b, src_shape[1:], grp.size * b
-    return key, (grp, v._k), base + view[0], view[1], src_shape[1:], grp.size * b
+        return key, (grp, v._k), base, b, src_shape[1:], full
+    return key, (grp, v._k), base + view[0], view[1], src_shape[1:], full
 
 
 class Plan(object):
@@ -90,8 +96,11 @@ def plan_gather(values, shape, index, sizes):
     """Plan the gather of per-sample ``values`` (all of per-sample ``shape``) into
     the flat layout; index lists are appended to ``index`` (one copy per flush)."""
     n = len(values)
-    want = flat_shape(shape, n)
     segs = [_segment(v, sizes) for v in values]
+    if shape[0] is None:   # ragged: each sample brings its own leading length
+        want = (sum(s[3] for s in segs),) + tuple(shape[1:])
+    else:
+        want = flat_shape(shape, n)
     rs = segs[0][4]
     if any(s[4] != rs for s in segs):
         return Plan("each", None, 0, 0, want, list(values))
@@ -147,8 +156,9 @@ def run_gather(plan, index_nd):
         # mixed producers whose row shapes differ (e.g. a squeezed view beside a
         # plain array): bring each sample to its own array, then concatenate
         parts = [row_value(v) if type(v) is LazyArray else v for v in plan.values]
-        per = (plan.want[0] // len(parts),) + tuple(plan.want[1:])
-        parts = [p.reshape(per) if p.shape != per else p for p in parts]
+        if len(parts[0].shape) != len(plan.want):   # squeezed views: one row each
+            per = (plan.want[0] // len(parts),) + tuple(plan.want[1:])
+            parts = [p.reshape(per) for p in parts]
         out = nd.concat(*parts, dim=0) if len(parts) > 1 else parts[0]
     if out.shape != plan.want:
         out = out.reshape(plan.want)
@@ -201,9 +211,12 @@ def row_value(v):
     if v._value is not None:
         return v._value
     src = node.batch[v._k]
-    src_shape = node.info.out_meta[v._k][0]
-    b = rows_of(src_shape)
-    start = node.row * b
+    if node.rows is None:
+        b = rows_of(node.info.out_meta[v._k][0])
+        start = node.row * b
+    else:
+        b = node.rows
+        start = node.off
     count = b
     if v._view is not None:
         start += v._view[0]

@@ -88,10 +88,21 @@ class Site(object):
     __repr__ = __str__
 
 
+_concrete_meta = {}   # id -> (array, meta): the same concrete array (a zero state,
+                      # a constant) is passed to many calls; its meta is asked once
+
+
 def _meta(a):
     if type(a) is LazyArray:
         return a._shape, a._dtype, a._ctx
-    return a.shape, a.dtype, a.context
+    hit = _concrete_meta.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    m = (a.shape, a.dtype, a.context)
+    if len(_concrete_meta) >= 512:
+        _concrete_meta.clear()
+    _concrete_meta[id(a)] = (a, m)
+    return m
 
 
 def _check_ctx(metas_ctx, what):
@@ -191,7 +202,9 @@ class BlockExec(object):
             outs, _ = _flatten(out, "output")
         if not self.checked:
             for o, m in zip(outs, self.out_meta):
-                if o.shape != backend.flat_shape(m[0], n):
+                want = backend.flat_shape(m[0], n) if m[0][0] is not None else \
+                    (batch[0].group.rows,) + tuple(m[0][1:])
+                if o.shape != want:
                     raise BatchingError(
                         "block %s gave an output of shape %s for %d merged samples of "
                         "per-sample output shape %s" % (self.block.name, o.shape, n, m[0]))
@@ -210,7 +223,7 @@ def _leaves(fmt):
     return res
 
 
-def _block_info(block, args, flat, fmt, mc, mode, key):
+def _block_info(block, args, flat, fmt, mc, mode, key, rkey):
     ctx = _check_ctx(mc, "block %s" % block.name)
     try:
         inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
@@ -260,15 +273,47 @@ def _block_info(block, args, flat, fmt, mc, mode, key):
                 "dynamic_batch." % (block.name, shapes, k, a, b,
                                     (2 * a[0],) + tuple(a[1:])))
     out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
+    if rkey is not None and _rowwise_any_length(out, names, shapes, o1):
+        # ragged: samples of any leading length merge; sizes live on the nodes
+        out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
+        ex = BlockExec(block, fmt, tuple(((None,) + tuple(s[1:]), d)
+                                         for s, d in zip(shapes, dtypes)), out_meta, ctx, mode)
+        return TABLE.add(rkey, lambda sid: _new_info(sid, rkey, ex, out_meta, True, block.name))
+    if rkey is not None:
+        TABLE.add(rkey, lambda sid: _NOT_RAGGED)
     ex = BlockExec(block, fmt, tuple(zip(shapes, dtypes)), out_meta, ctx, mode)
     return TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
 
 
+_NOT_RAGGED = object()
+
+
+def _rowwise_any_length(out, names, shapes, o1):
+    """True if every output keeps the inputs' shared leading length L, checked by
+    shape inference at L and at a length no multiple of it."""
+    length = shapes[0][0]
+    if any(a[0] != length for a in o1):
+        return False
+    other = 2 * length + 1
+    try:
+        _, o3, _ = out.infer_shape_partial(
+            **{nm: (other,) + tuple(s[1:]) for nm, s in zip(names, shapes)})
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:]) for a, b in zip(o1, o3))
+
+
 def _record_block(self, g, x, args):
     allargs = (x,) + args
-    if all(type(a) is LazyArray or type(a) is NDArray for a in allargs):
+    for a in allargs:
+        t = type(a)
+        if t is not LazyArray and t is not NDArray:
+            break
+    else:
+        t = None
+    if t is None:
         flat = allargs
-        fmt = [0] * len(allargs)
+        fmt = _FLAT_IN[len(allargs)] if len(allargs) < 16 else [0] * len(allargs)
     else:
         flat, fmt = _flatten(allargs, "input")
         if any(isinstance(a, Symbol) for a in flat):
@@ -280,16 +325,33 @@ def _record_block(self, g, x, args):
                                     % (self.name, type(a).__name__))
     mc = [_meta(a) for a in flat]
     mode = (autograd.is_recording(), autograd.is_training())
-    key = ("blk", self._jb_token, str(fmt), tuple((m[0], m[1]) for m in mc), mc[0][2], mode)
-    info = TABLE.get(key)
+    fkey = len(flat) if t is None else str(fmt)
+    lead = mc[0][0][0] if mc[0][0] else None
+    rkey = None
+    info = None
+    if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
+        rkey = ("rag", id(self), self._jb_token, fkey,
+                tuple([(m[0][1:], m[1]) for m in mc]), mc[0][2], mode)
+        info = TABLE.get(rkey)
+        if info is _NOT_RAGGED:
+            info = rkey = None
     if info is None:
-        info = _block_info(self, allargs, flat, fmt, mc, mode, key)
+        key = ("blk", id(self), self._jb_token, fkey,
+               tuple([(m[0], m[1]) for m in mc]), mc[0][2], mode)
+        info = TABLE.get(key)
+        if info is None:
+            info = _block_info(self, allargs, flat, fmt, mc, mode, key, rkey)
     if not g.nodes:
         cfg = self._jb_cfg
         g.policy, g.budget = cfg.policy, cfg.budget
-    node = g.add(info, tuple(flat), _site(), mode)
     ctx = mc[0][2]
-    outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
+    if info.out_meta and info.out_meta[0][0][0] is None:
+        node = g.add(info, tuple(flat), _site(), mode, lead)
+        outs = [LazyArray(node, k, (lead,) + m[0][1:], m[1], ctx)
+                for k, m in enumerate(info.out_meta)]
+    else:
+        node = g.add(info, tuple(flat), _site(), mode)
+        outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
     fmt = self._out_format  # pylint: disable=protected-access
     if fmt == _FLAT.get(len(outs)):
@@ -309,6 +371,7 @@ def _forward(self, x, *args):
     return _orig_forward(self, x, *args)
 
 
+_FLAT_IN = {n: [0] * n for n in range(1, 16)}
 _FLAT = {n: [0] * n for n in range(1, 16)}
 _FLAT[1] = 0
 _FLAG_KEYS = ("dynamic_batch", "policy", "analysis_budget")
