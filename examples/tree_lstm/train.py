@@ -1,0 +1,452 @@
+"""Train the child-sum Tree-LSTM on SICK-style semantic relatedness
+(Tai, Socher & Manning, 2015), per-sample model code with dynamic batching.
+
+    python -m examples.tree_lstm.train                     # bundled data, dynamic batching
+    python -m examples.tree_lstm.train --no-dynamic-batch  # plain per-sample Gluon
+    python examples/tree_lstm/train.py --data data/sick_full --word-embed glove.840B.300d.txt
+
+Each minibatch records the forward pass of all its pairs under one
+``autograd.record()``, sums the per-pair KL losses and calls ``backward`` once;
+with ``--dynamic-batch`` (the default) jitbatch merges the pairs' tree-node
+computations into batched launches.  The predicted relatedness is the expected
+value of the class distribution; dev Pearson r is measured before training
+("epoch 0") and after each epoch, and the test split is scored with the
+parameters of the best dev epoch.  Writes ``metrics.json`` and
+``learning_curve.png`` to ``--out``.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon, nd  # noqa: E402
+
+import jitbatch  # noqa: E402  (installs the hybridize(dynamic_batch=...) hook)
+from examples.tree_lstm import data as D  # noqa: E402
+from examples.tree_lstm.model import SimilarityTreeLSTM, expected_score, kl_loss  # noqa: E402
+
+NUM_CLASSES = 5
+EVAL_CHUNK = 256
+_CTX_RE = re.compile(r"^\s*(cpu|gpu)\s*(?:(?:\(\s*(\d+)\s*\))|(?::\s*(\d+)))?\s*$", re.I)
+
+
+# ---------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m examples.tree_lstm.train",
+        description="Child-sum Tree-LSTM semantic relatedness training (Tai et al. 2015) "
+                    "with jitbatch dynamic batching.")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="data/sick_small", metavar="DIR",
+                   help="SICK-layout directory with train/dev/test (default: %(default)s)")
+    g.add_argument("--word-embed", default=None, metavar="PATH",
+                   help="GloVe-format text vectors to initialise the embedding "
+                        "(default: random initialisation); the embedding stays trainable")
+    g.add_argument("--max-pairs", type=int, default=None, metavar="N",
+                   help="keep only the first N pairs of each split (quick runs)")
+    m = p.add_argument_group("model")
+    m.add_argument("--embed-size", type=int, default=300)
+    m.add_argument("--hidden-size", type=int, default=150)
+    m.add_argument("--sim-hidden", type=int, default=50)
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=int, default=10,
+                   help="training epochs; 0 only evaluates (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=25, help="pairs per update")
+    t.add_argument("--lr", type=float, default=0.02)
+    t.add_argument("--wd", type=float, default=1e-4)
+    t.add_argument("--optimizer", default="adagrad")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--ctx", default="cpu", help="cpu, cpu(N), gpu or gpu(N) (default: cpu)")
+    e = p.add_argument_group("execution")
+    e.add_argument("--dynamic-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="merge per-pair computations with jitbatch (default: on); "
+                        "--no-dynamic-batch runs plain per-sample Gluon")
+    e.add_argument("--hybridize", action="store_true",
+                   help="with --no-dynamic-batch: run per-sample hybridized blocks")
+    e.add_argument("--policy", default="auto", choices=list(jitbatch.POLICIES),
+                   help="jitbatch scheduling policy (default: %(default)s)")
+    e.add_argument("--analysis-budget", type=float, default=None, metavar="FRACTION",
+                   help="jitbatch analysis budget for policy 'auto' (default: none)")
+    o = p.add_argument_group("input/output")
+    o.add_argument("--save", default=None, metavar="PATH",
+                   help="save the best-dev parameters here (net.save_parameters)")
+    o.add_argument("--load", default=None, metavar="PATH",
+                   help="load parameters before training (with --epochs 0: just evaluate)")
+    o.add_argument("--out", default="runs/tree_lstm", metavar="DIR",
+                   help="where metrics.json and learning_curve.png go (default: %(default)s)")
+    o.add_argument("--no-plot", action="store_true", help="do not write learning_curve.png")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def parse_ctx(text):
+    """``'cpu'``, ``'cpu(0)'``, ``'gpu'``, ``'gpu(1)'``, ``'gpu:1'`` -> mx.Context; ValueError otherwise."""
+    m = _CTX_RE.match(text or "")
+    if not m:
+        raise ValueError("expected cpu, cpu(N), gpu or gpu(N)")
+    kind = m.group(1).lower()
+    idx = int(m.group(2) or m.group(3) or 0)
+    if kind == "gpu":
+        try:
+            n = mx.context.num_gpus()
+        except Exception:  # pylint: disable=broad-except
+            n = 0
+        if idx >= n:
+            raise ValueError("MXNet sees %d GPU(s) in this build/machine" % n)
+        return mx.gpu(idx)
+    return mx.cpu(idx)
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.ctx_obj = parse_ctx(args.ctx)
+    except ValueError as err:
+        parser.error("argument --ctx: invalid context %r: %s" % (args.ctx, err))
+    if not os.path.isdir(args.data):
+        parser.error("argument --data: directory %r does not exist" % args.data)
+    if args.word_embed is not None and not os.path.isfile(args.word_embed):
+        parser.error("argument --word-embed: file %r does not exist" % args.word_embed)
+    if args.load is not None and not os.path.isfile(args.load):
+        parser.error("argument --load: file %r does not exist" % args.load)
+    for flag, value, low in (("--epochs", args.epochs, 0), ("--batch-size", args.batch_size, 1),
+                             ("--embed-size", args.embed_size, 1),
+                             ("--hidden-size", args.hidden_size, 1),
+                             ("--sim-hidden", args.sim_hidden, 1)):
+        if value < low:
+            parser.error("argument %s: must be >= %d, got %d" % (flag, low, value))
+    if args.max_pairs is not None and args.max_pairs < 1:
+        parser.error("argument --max-pairs: must be >= 1, got %d" % args.max_pairs)
+    if not args.lr > 0:
+        parser.error("argument --lr: must be > 0, got %r" % args.lr)
+    if args.analysis_budget is not None and not args.analysis_budget >= 0:
+        parser.error("argument --analysis-budget: must be >= 0, got %r" % args.analysis_budget)
+    try:
+        mx.optimizer.create(args.optimizer)
+    except Exception:  # pylint: disable=broad-except
+        parser.error("argument --optimizer: unknown MXNet optimizer %r" % args.optimizer)
+    return parser, args
+
+
+# ---------------------------------------------------------------------------
+# data on the device
+# ---------------------------------------------------------------------------
+
+class Example(object):
+    """A pair with its arrays already on the training context."""
+    __slots__ = ("a", "a_tree", "b", "b_tree", "score", "target")
+
+    def __init__(self, pair, ctx):
+        self.a = nd.array(pair.a_ids, ctx=ctx, dtype="float32")
+        self.b = nd.array(pair.b_ids, ctx=ctx, dtype="float32")
+        self.a_tree, self.b_tree = pair.a_tree, pair.b_tree
+        self.score = float(pair.score)
+        self.target = nd.array(D.target_distribution(pair.score, NUM_CLASSES).reshape(1, -1),
+                               ctx=ctx, dtype="float32")
+
+
+def to_examples(pairs, ctx):
+    return [Example(p, ctx) for p in pairs]
+
+
+# ---------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------
+
+def correlations(pred, gold):
+    """Pearson r, Spearman rho and MSE (NaN correlations for constant input)."""
+    from scipy import stats as st  # pylint: disable=import-outside-toplevel
+    pred = np.asarray(pred, dtype=np.float64)
+    gold = np.asarray(gold, dtype=np.float64)
+    mse = float(np.mean((pred - gold) ** 2)) if len(pred) else float("nan")
+    if len(pred) < 2 or np.ptp(pred) == 0 or np.ptp(gold) == 0:
+        return {"pearson": float("nan"), "spearman": float("nan"), "mse": mse}
+    return {"pearson": float(st.pearsonr(pred, gold)[0]),
+            "spearman": float(st.spearmanr(pred, gold)[0]), "mse": mse}
+
+
+def predict(net, examples, chunk=EVAL_CHUNK, bar=None):
+    """Predicted scores; the forward passes of a chunk are all issued before any
+    value is read, so dynamic batching merges them."""
+    out = []
+    for i in range(0, len(examples), chunk):
+        part = examples[i:i + chunk]
+        scores = [expected_score(net(ex.a, ex.a_tree, ex.b, ex.b_tree), NUM_CLASSES)
+                  for ex in part]
+        out.append(nd.concat(*scores, dim=0).asnumpy())
+        if bar is not None:
+            bar.update(len(part))
+    return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+
+def evaluate(net, examples, desc, quiet):
+    t0 = time.perf_counter()
+    with _bar(len(examples), desc, quiet) as bar:
+        pred = predict(net, examples, bar=bar)
+    seconds = time.perf_counter() - t0
+    res = correlations(pred, [ex.score for ex in examples])
+    res["pairs"] = len(examples)
+    res["seconds"] = seconds
+    return res
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+class _NoBar(object):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, *a, **k):
+        pass
+
+
+def _bar(total, desc, quiet):
+    if quiet:
+        return _NoBar()
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    return tqdm(total=total, desc=desc, unit="pair", leave=False, dynamic_ncols=True)
+
+
+def _jsonable(x):
+    """Recursively make ``x`` JSON-serialisable (NaN/inf -> None, numpy -> Python)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, np.bool_)):
+        return None if x is None else bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    if isinstance(x, str):
+        return x
+    return str(x)
+
+
+def _snapshot(net):
+    return {name: p.data().copy() for name, p in net.collect_params().items()}
+
+
+def _restore(net, snap):
+    for name, p in net.collect_params().items():
+        p.set_data(snap[name])
+
+
+def _fmt(x, spec=".4f"):
+    return format(x, spec) if x is not None and math.isfinite(x) else "nan"
+
+
+def plot_curve(path, epochs, title):
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    fig, ax1 = plt.subplots(figsize=(6, 4))
+    tr = [(e["epoch"], e["train_loss"]) for e in epochs if e.get("train_loss") is not None]
+    dv = [(e["epoch"], e["dev"]["pearson"]) for e in epochs]
+    if tr:
+        ax1.plot([a for a, _ in tr], [b for _, b in tr], "o-", color="tab:blue", label="train loss")
+    ax1.set_xlabel("epoch")
+    ax1.set_ylabel("train KL loss", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot([a for a, _ in dv], [b if b is not None and math.isfinite(b) else np.nan for _, b in dv],
+             "s-", color="tab:red", label="dev Pearson r")
+    ax2.set_ylabel("dev Pearson r", color="tab:red")
+    ax1.set_title(title)
+    ax1.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+def setup_execution(net, args):
+    if args.dynamic_batch:
+        net.hybridize(dynamic_batch=True, policy=args.policy, analysis_budget=args.analysis_budget)
+        return "dynamic batching (policy %s)" % args.policy
+    if args.hybridize:
+        net.hybridize()
+        return "per-sample hybridized"
+    net.hybridize(active=False)
+    return "per-sample imperative"
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    ctx = args.ctx_obj
+    log = lambda *a: print(*a, flush=True)  # noqa: E731  (--quiet only hides the bars)
+
+    mx.random.seed(args.seed)
+    np.random.seed(args.seed)
+    rng = np.random.RandomState(args.seed)
+    jitbatch.reset_stats()
+
+    t_start = time.perf_counter()
+    try:
+        splits, vocab = D.load_dataset(args.data)
+    except (OSError, ValueError) as err:
+        parser.error("argument --data: cannot read %r: %s" % (args.data, err))
+    if args.max_pairs is not None:
+        splits = {k: v[:args.max_pairs] for k, v in splits.items()}
+    for name in ("train", "dev", "test"):
+        if not splits.get(name):
+            parser.error("argument --data: split %r of %r is empty" % (name, args.data))
+
+    net = SimilarityTreeLSTM(len(vocab), embed_size=args.embed_size, hidden_size=args.hidden_size,
+                             sim_hidden=args.sim_hidden, num_classes=NUM_CLASSES)
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    n_found = None
+    if args.word_embed is not None:
+        try:
+            matrix, missing = D.load_word_vectors(args.word_embed, vocab, args.embed_size,
+                                                  seed=args.seed, return_missing=True)
+        except (OSError, ValueError) as err:
+            parser.error("argument --word-embed: cannot use %r: %s" % (args.word_embed, err))
+        net.encoder.embed.weight.set_data(nd.array(matrix, ctx=ctx))
+        n_found = len(vocab) - len(missing)
+    if args.load is not None:
+        try:
+            net.load_parameters(args.load, ctx=ctx)
+        except Exception as err:  # pylint: disable=broad-except
+            parser.error("argument --load: cannot load %r into this model (vocabulary %d, "
+                         "embed %d, hidden %d, sim %d): %s"
+                         % (args.load, len(vocab), args.embed_size, args.hidden_size,
+                            args.sim_hidden, err))
+    mode = setup_execution(net, args)
+
+    train = to_examples(splits["train"], ctx)
+    dev = to_examples(splits["dev"], ctx)
+    test = to_examples(splits["test"], ctx)
+    load_seconds = time.perf_counter() - t_start
+    log("data %s: %d/%d/%d pairs, vocabulary %d%s; %s on %s"
+        % (args.data, len(train), len(dev), len(test), len(vocab),
+           "" if n_found is None else ", %d words with vectors" % n_found, mode, ctx))
+
+    loss_fn = kl_loss()
+    trainer = gluon.Trainer(net.collect_params(), args.optimizer,
+                            {"learning_rate": args.lr, "wd": args.wd})
+
+    eval_pairs, eval_seconds = 0, 0.0
+    dev0 = evaluate(net, dev, "dev (epoch 0)", args.quiet)
+    eval_pairs += dev0["pairs"]
+    eval_seconds += dev0["seconds"]
+    epochs = [{"epoch": 0, "train_loss": None, "dev": dev0}]
+    log("epoch 0 (untrained): dev r %s  rho %s  mse %s"
+        % (_fmt(dev0["pearson"]), _fmt(dev0["spearman"]), _fmt(dev0["mse"])))
+    best_epoch, best_r = 0, dev0["pearson"]
+    best = _snapshot(net)
+
+    step_losses = []
+    train_pairs, train_seconds = 0, 0.0
+    for epoch in range(1, args.epochs + 1):
+        order = rng.permutation(len(train))
+        total, count = 0.0, 0
+        t0 = time.perf_counter()
+        with _bar(len(train), "epoch %d/%d" % (epoch, args.epochs), args.quiet) as bar:
+            for s in range(0, len(order), args.batch_size):
+                batch = [train[i] for i in order[s:s + args.batch_size]]
+                with autograd.record():
+                    losses = [loss_fn(net(ex.a, ex.a_tree, ex.b, ex.b_tree), ex.target)
+                              for ex in batch]
+                    loss = nd.add_n(*losses)
+                loss.backward()
+                trainer.step(len(batch))
+                value = float(loss.asscalar())
+                step_losses.append(value / len(batch))
+                total += value
+                count += len(batch)
+                bar.update(len(batch))
+                bar.set_postfix(loss="%.4f" % (total / count),
+                                pairs_s="%.1f" % (count / (time.perf_counter() - t0)))
+        seconds = time.perf_counter() - t0
+        train_pairs += count
+        train_seconds += seconds
+        dv = evaluate(net, dev, "dev (epoch %d)" % epoch, args.quiet)
+        eval_pairs += dv["pairs"]
+        eval_seconds += dv["seconds"]
+        epochs.append({"epoch": epoch, "train_loss": total / count, "dev": dv,
+                       "train_seconds": seconds, "train_pairs_per_s": count / seconds})
+        better = math.isfinite(dv["pearson"]) and not (math.isfinite(best_r) and dv["pearson"] <= best_r)
+        if better:
+            best_epoch, best_r = epoch, dv["pearson"]
+            best = _snapshot(net)
+        log("epoch %d: train loss %.4f  dev r %s  rho %s  mse %s  (%.1f pairs/s)%s"
+            % (epoch, total / count, _fmt(dv["pearson"]), _fmt(dv["spearman"]), _fmt(dv["mse"]),
+               count / seconds, "  *best" if better else ""))
+
+    _restore(net, best)
+    if args.save is not None:
+        d = os.path.dirname(os.path.abspath(args.save))
+        os.makedirs(d, exist_ok=True)
+        net.save_parameters(args.save)
+    te = evaluate(net, test, "test", args.quiet)
+    eval_pairs += te["pairs"]
+    eval_seconds += te["seconds"]
+
+    train_pps = train_pairs / train_seconds if train_seconds > 0 else None
+    eval_pps = eval_pairs / eval_seconds if eval_seconds > 0 else None
+    args_dict = {k: v for k, v in vars(args).items() if k != "ctx_obj"}
+    metrics = {
+        "args": args_dict,
+        "context": str(ctx),
+        "execution": mode,
+        "vocab_size": len(vocab),
+        "pairs": {"train": len(train), "dev": len(dev), "test": len(test)},
+        "epochs": epochs,
+        "train_loss": [e["train_loss"] for e in epochs[1:]],
+        "dev_pearson": [e["dev"]["pearson"] for e in epochs],
+        "step_losses": step_losses,
+        "best_epoch": best_epoch,
+        "dev": epochs[best_epoch]["dev"],
+        "test": te,
+        "throughput": {"train_pairs_per_s": train_pps, "eval_pairs_per_s": eval_pps,
+                       "train_seconds": train_seconds, "eval_seconds": eval_seconds},
+        "load_seconds": load_seconds,
+        "wall_seconds": time.perf_counter() - t_start,
+        "jitbatch": jitbatch.stats(),
+    }
+    metrics = _jsonable(metrics)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1, allow_nan=False)
+    if not args.no_plot:
+        plot_curve(os.path.join(args.out, "learning_curve.png"), epochs,
+                   "Tree-LSTM relatedness (%s)" % os.path.basename(os.path.normpath(args.data)))
+
+    def _f(x, spec=".4f"):
+        return "n/a" if x is None else _fmt(x, spec)
+    print("dev r %s (epoch %d; untrained %s) | test r %s rho %s mse %s | train %s pairs/s, eval %s "
+          "pairs/s | %s | %.1fs"
+          % (_f(metrics["dev"]["pearson"]), best_epoch, _f(epochs[0]["dev"]["pearson"]),
+             _f(te["pearson"]), _f(te["spearman"]), _f(te["mse"]), _f(train_pps, ".1f"),
+             _f(eval_pps, ".1f"), mode, metrics["wall_seconds"]), flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
