@@ -49,6 +49,7 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
             if n.batch is None:
                 n.error = e
                 n.inputs = ()
+                n.users = None
         STATS.add(failures=1)
         if isinstance(e, JitBatchError) and not isinstance(e, ExecutionError):
             raise

@@ -19,7 +19,7 @@ class Node(object):
     site for error messages. After execution ``batch`` holds the launch's
     outputs (flat batched arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
-                 "error", "graph", "seq", "group", "plan", "rows", "off")
+                 "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait")
 
     def __init__(self, info, inputs, depth, site, mode, graph, seq, rows=None):
         self.info = info
@@ -36,6 +36,8 @@ class Node(object):
         self.plan = None    # backend's input plan of its batch (first node only)
         self.rows = rows    # leading length of a ragged signature's node, else None
         self.off = 0        # first row of a ragged node in its batch's outputs
+        self.users = None   # pending nodes that read this one (one entry per read)
+        self.wait = 0       # reads of pending producers (scheduling counts them down)
 
     @property
     def done(self):
@@ -56,17 +58,6 @@ class Group(object):
         self.rows = 0       # total leading rows of a ragged batch
 
 
-def input_depth(inputs):
-    """1 + the depth of the deepest pending producer among ``inputs``."""
-    d = 0
-    for x in inputs:
-        if isinstance(x, Ref):
-            n = x._node
-            if n.batch is None and n.depth > d:
-                d = n.depth
-    return d + 1
-
-
 class Graph(object):
     """The pending nodes of one thread, in record order."""
 
@@ -79,7 +70,20 @@ class Graph(object):
         self.budget = None
 
     def add(self, info, inputs, site, mode, rows=None):
-        n = Node(info, inputs, input_depth(inputs), site, mode, self, self.seq, rows)
+        n = Node(info, inputs, 1, site, mode, self, self.seq, rows)
+        d = 0
+        for x in inputs:
+            if isinstance(x, Ref):
+                p = x._node
+                if p.batch is None and p.graph is self:
+                    n.wait += 1
+                    if p.users is None:
+                        p.users = [n]
+                    else:
+                        p.users.append(n)
+                    if p.depth > d:
+                        d = p.depth
+        n.depth = d + 1
         self.seq += 1
         self.nodes.append(n)
         return n

@@ -3,7 +3,6 @@
 Every policy returns a list of batches (lists of nodes) in an order where each
 node's pending producers ran in an earlier batch. Nodes whose signature has no
 batching rule always form batches of one."""
-from .graph import Ref
 
 POLICIES = ("auto", "depth", "agenda", "sequential")
 
@@ -32,67 +31,64 @@ def by_depth(nodes):
     return out
 
 
-def _producers(n):
-    """Pending producers of ``n`` (its inputs' nodes that are not done yet)."""
-    res = []
-    for x in n.inputs:
-        if isinstance(x, Ref):
-            p = x._node
-            if p.batch is None:
-                res.append(p)
-    return res
-
-
 def by_agenda(nodes):
     """DyNet's agenda, refined: among signatures with ready nodes, prefer those
-    whose every pending node is ready (running them now merges all of them; running
-    one early splits it), then the lowest average depth; all its ready nodes form
-    one batch."""
-    index = {id(n): i for i, n in enumerate(nodes)}
-    waiting = [0] * len(nodes)
-    users = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        for p in _producers(n):
-            j = index.get(id(p))
-            if j is not None:
-                waiting[i] += 1
-                users[j].append(i)
-    # priority: the as-late-as-possible level (critical path minus the height to
-    # the sinks): nodes that can wait (a head after a short tree) do, so they merge
-    # with their peers from longer samples
-    height = [1] * len(nodes)
-    for i in range(len(nodes) - 1, -1, -1):
-        for u in users[i]:
-            if height[u] + 1 > height[i]:
-                height[i] = height[u] + 1
-    top = max(height) if height else 0
-    level = [top - h for h in height]
-    ready = {}        # sig id -> list of node indices
-    depth_sum = {}    # sig id -> sum of levels of ready nodes
+    whose every pending node is ready (running them now merges all of them), then
+    the lowest average as-late-as-possible level (critical path minus the height
+    to the sinks: a node that can wait, like a head after a short tree, waits and
+    merges with its peers from longer samples). All ready nodes of the chosen
+    signature form one batch. Uses the producer counts and user lists kept at
+    record time."""
+    height = {}
+    for n in reversed(nodes):
+        h = 1
+        if n.users:
+            for u in n.users:
+                hu = height[id(u)]
+                if hu >= h:
+                    h = hu + 1
+        height[id(n)] = h
+    top = max(height.values()) if height else 0
+    wait = {}
+    ready = {}        # sig id -> ready nodes
+    level_sum = {}    # sig id -> sum of their levels
     left = {}         # sig id -> nodes not yet run
     for n in nodes:
-        left[n.info.id] = left.get(n.info.id, 0) + 1
-    for i, n in enumerate(nodes):
-        if waiting[i] == 0:
-            sid = n.info.id
-            ready.setdefault(sid, []).append(i)
-            depth_sum[sid] = depth_sum.get(sid, 0) + level[i]
+        sid = n.info.id
+        left[sid] = left.get(sid, 0) + 1
+        if n.wait == 0:
+            r = ready.get(sid)
+            if r is None:
+                ready[sid] = [n]
+                level_sum[sid] = top - height[id(n)]
+            else:
+                r.append(n)
+                level_sum[sid] += top - height[id(n)]
+        else:
+            wait[id(n)] = n.wait
     out = []
     while ready:
         best = min(ready, key=lambda s: (len(ready[s]) < left[s],
-                                         depth_sum[s] / len(ready[s]), s))
-        idxs = ready.pop(best)
-        del depth_sum[best]
-        left[best] -= len(idxs)
-        batch = [nodes[i] for i in idxs]
+                                         level_sum[s] / len(ready[s]), s))
+        batch = ready.pop(best)
+        del level_sum[best]
+        left[best] -= len(batch)
         out.extend(_split_unbatchable(batch))
-        for i in idxs:
-            for u in users[i]:
-                waiting[u] -= 1
-                if waiting[u] == 0:
-                    sid = nodes[u].info.id
-                    ready.setdefault(sid, []).append(u)
-                    depth_sum[sid] = depth_sum.get(sid, 0) + level[u]
+        for n in batch:
+            if n.users:
+                for u in n.users:
+                    k = id(u)
+                    w = wait[k] - 1
+                    wait[k] = w
+                    if w == 0:
+                        sid = u.info.id
+                        r = ready.get(sid)
+                        if r is None:
+                            ready[sid] = [u]
+                            level_sum[sid] = top - height[k]
+                        else:
+                            r.append(u)
+                            level_sum[sid] += top - height[k]
     if sum(len(b) for b in out) != len(nodes):
         raise AssertionError("agenda scheduling lost nodes (a cycle in the graph?)")
     return out

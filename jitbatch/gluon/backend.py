@@ -201,6 +201,7 @@ def finish(batch, outs):
     for node in batch:
         node.batch = outs
         node.inputs = ()
+        node.users = None
 
 
 def row_value(v):
