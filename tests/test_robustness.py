@@ -1,0 +1,124 @@
+"""Threads, bounded memory, auto-flush, and misuse across threads or uninstall."""
+import threading
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+import jitbatch
+from models import binary_model, binary_samples, binary_apply
+
+
+def _train(net, samples, steps, flag):
+    if flag:
+        net.hybridize(dynamic_batch=True)
+    tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05})
+    losses = []
+    for _ in range(steps):
+        with autograd.record():
+            loss = nd.add_n(*[binary_apply(net, s)[1] for s in samples])
+        loss.backward()
+        tr.step(1)
+        losses.append(loss.asscalar())
+    return losses
+
+
+def test_two_threads_train_two_models_at_once():
+    data = [binary_samples(np.random.default_rng(s), 4) for s in (1, 2)]
+
+    def make(seed):
+        mx.random.seed(seed)
+        net = binary_model()
+        binary_apply(net, data[0][0])[1].asnumpy()   # finish deferred init now
+        return net
+    expected = [_train(make(s), d, 3, flag=False) for s, d in zip((7, 8), data)]
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            results[i] = _train(make_nets[i], data[i], 3, flag=True)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+    make_nets = [make(7), make(8)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, want in zip(results, expected):
+        assert np.allclose(got, want, rtol=1e-4)
+
+
+def test_lazy_array_from_another_thread_is_refused():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("y", net(nd.ones((1, 2)))))
+    t.start()
+    t.join()
+    with pytest.raises(jitbatch.StaleValueError, match=r"recorded in thread \d+ was used in thread"):
+        box["y"].asnumpy()
+
+
+def test_pending_array_after_uninstall_in_another_thread():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("y", net(nd.ones((1, 2)))))
+    t.start()
+    t.join()
+    jitbatch.uninstall()
+    try:
+        with pytest.raises(jitbatch.StaleValueError, match=r"still pending when jitbatch.uninstall\(\) ran"):
+            box["y"].asnumpy()
+    finally:
+        jitbatch.install()
+
+
+def test_pending_graph_flushes_itself_at_the_limit():
+    old = jitbatch.config.max_pending
+    jitbatch.config.max_pending = 10
+    try:
+        net = nn.Dense(3, in_units=3)
+        net.initialize()
+        net.hybridize(dynamic_batch=True)
+        jitbatch.reset_stats()
+        xs = [nd.array(np.random.default_rng(i).normal(size=(1, 3))) for i in range(35)]
+        ys = [net(x) for x in xs]
+        st = jitbatch.stats()
+        assert st["auto_flushes"] == 3 and st["pending"] == 5
+        net.hybridize(active=False)
+        for x, y in zip(xs, ys):
+            assert np.allclose(y.asnumpy(), net(x).asnumpy(), rtol=1e-5)
+    finally:
+        jitbatch.config.max_pending = old
+
+
+def _rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2 ** 20
+
+
+def test_resident_memory_stays_flat_over_many_minibatches():
+    mx.random.seed(0)
+    net = binary_model()
+    net.hybridize(dynamic_batch=True)
+    tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01})
+    rng = np.random.default_rng(0)
+    pool = [binary_samples(rng, 6) for _ in range(10)]
+    marks = []
+    for step in range(400):
+        with autograd.record():
+            loss = nd.add_n(*[binary_apply(net, s)[1] for s in pool[step % 10]])
+        loss.backward()
+        tr.step(1)
+        loss.asscalar()
+        if step in (100, 399):
+            marks.append(_rss_mb())
+    assert marks[1] - marks[0] < 20, marks   # MB over 300 minibatches after warm-up
+    assert len(jitbatch.gluon.TABLE) < 100
