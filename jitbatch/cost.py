@@ -23,24 +23,23 @@ class Model(object):
             self.launch = 0.8 * self.launch + 0.2 * (execute_s / launches)
         self.observed += 1
 
-    def groups(self, nodes):
-        """Cheap upper bound of launches under depth grouping, and whether any
-        signature repeats at all (if none does, batching cannot pay)."""
+    @staticmethod
+    def mergeable(nodes):
+        """Whether any two nodes share (depth, signature): if none do (a chain, a
+        lone node, all-distinct calls), batching cannot pay here."""
         seen = set()
-        repeats = False
         for n in nodes:
-            k = n.info.id
+            k = (n.depth, n.info.id)
             if k in seen:
-                repeats = True
-            else:
-                seen.add(k)
-        return repeats
+                return True
+            seen.add(k)
+        return False
 
     def choose(self, nodes, budget):
         """Return ``(policy, reason, predicted)``."""
         n = len(nodes)
-        if n <= 1 or not self.groups(nodes):
-            return "sequential", "no signature repeats: nothing to merge", {}
+        if n <= 1 or not self.mergeable(nodes):
+            return "sequential", "no two nodes can run together: nothing to merge", {}
         predicted = {p: self.analysis[p] * n for p in ("depth", "agenda")}
         exec_est = self.launch * n
         if budget is not None:
@@ -54,6 +53,16 @@ class Model(object):
         # its analysis is predicted to cost more than it could save
         pol = "agenda" if "agenda" in allowed else allowed[0]
         return pol, "cheapest allowed policy with merging", predicted
+
+
+    @staticmethod
+    def passthrough_after(nodes, launches):
+        """Calls to run eagerly (unrecorded) after an 'auto' flush that merged
+        nothing: recording would be pure overhead. Bounded, so batchable work
+        that follows is recorded again soon (the next flush re-checks)."""
+        if launches < nodes or nodes < 2:
+            return 0
+        return max(64, 4 * nodes)
 
 
 MODEL = Model()

@@ -69,6 +69,7 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
                   analysis_seconds=t1 - t0, execute_seconds=t2 - t1)
     if policy == "auto":
         cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1)
+        graph.passthrough = cost.MODEL.passthrough_after(len(nodes), len(batches))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": t1 - t0,
                           "execute_seconds": t2 - t1, "predicted_analysis": predicted,

@@ -68,6 +68,7 @@ class Graph(object):
         self.executing = False
         self.policy = None
         self.budget = None
+        self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
 
     def add(self, info, inputs, site, mode, rows=None):
         n = Node(info, inputs, 1, site, mode, self, self.seq, rows)

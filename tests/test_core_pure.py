@@ -107,3 +107,4 @@ def test_auto_runs_sequential_when_nothing_repeats():
         prev = V(g.add(info, (prev,) if prev else (), None, (False, False)))
     pol, why, _ = cost.MODEL.choose(list(g.nodes), None)
     assert pol == "sequential" and "nothing to merge" in why
+    assert cost.MODEL.passthrough_after(4, 4) >= 64 and cost.MODEL.passthrough_after(4, 3) == 0

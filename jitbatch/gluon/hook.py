@@ -364,6 +364,10 @@ def _forward(self, x, *args):
         if isinstance(x, Symbol):
             return _orig_forward(self, x, *args)
         g = current_graph()
+        if g.passthrough and not g.nodes and type(x) is not LazyArray and \
+                not any(type(a) is LazyArray for a in args):
+            g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
+            return _orig_forward(self, x, *args)
         if not g.executing:
             res = _record_block(self, g, x, args)
             if res is not None:
