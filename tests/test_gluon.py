@@ -270,3 +270,26 @@ def test_uninstall_restores_mxnet_and_install_is_idempotent():
         assert not isinstance(net(nd.ones((1, 2))), jitbatch.LazyArray)
     finally:
         jitbatch.install()
+
+
+def test_non_ndarray_argument_is_named():
+    class Two(HybridBlock):
+        def hybrid_forward(self, F, a, b):
+            return a + b
+    two = Two()
+    two.hybridize(dynamic_batch=True)
+    with pytest.raises(jitbatch.BatchingError, match=r"block two\d+: .*numpy.ndarray.*mx.nd.array"):
+        two(nd.ones((1, 2)), [np.ones((1, 2))])
+
+
+def test_changing_flags_mid_graph_runs_pending_work_first():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True, policy="depth")
+    jitbatch.reset_stats()
+    y = net(nd.ones((1, 2)))
+    assert jitbatch.is_lazy(y)
+    net.hybridize(dynamic_batch=True, policy="agenda")    # flags change: flush first
+    st = jitbatch.stats()
+    assert st["flushes"] == 1 and st["last_flush"]["policy"] == "depth"
+    assert st["last_flush"]["reason"] == "flags changed" and y.asnumpy().shape == (1, 2)

@@ -315,7 +315,18 @@ def _record_block(self, g, x, args):
         flat = allargs
         fmt = _FLAT_IN[len(allargs)] if len(allargs) < 16 else [0] * len(allargs)
     else:
-        flat, fmt = _flatten(allargs, "input")
+        for i, a in enumerate(allargs):
+            if not isinstance(a, (NDArray, Symbol, list, tuple)) and a is not None:
+                raise BatchingError(
+                    "block %s: argument %d has type %s; a flagged block takes NDArrays "
+                    "(or nested lists of them). Fix: convert it with mx.nd.array(...)."
+                    % (self.name, i, type(a).__name__))
+        try:
+            flat, fmt = _flatten(allargs, "input")
+        except ValueError as e:
+            raise BatchingError("block %s: %s; a flagged block takes NDArrays (or nested "
+                                "lists of them). Fix: convert it with mx.nd.array(...)."
+                                % (self.name, e)) from e
         if any(isinstance(a, Symbol) for a in flat):
             return None
         flat = [a for a in flat if a is not None]
