@@ -1,59 +1,74 @@
-"""Cost model: which policy a flush under ``policy='auto'`` uses.
+"""Cost model: which policy a flush under ``policy='auto'`` uses, and why.
 
-The model is fed by measurements taken as jitbatch runs (``Model.observe``):
-per-node analysis seconds of each policy and per-launch seconds. A flush whose
-graph has nothing to merge runs ``sequential`` (no analysis at all); otherwise
-the policy with the lowest predicted total (analysis + launches) is used, and a
-policy whose predicted analysis exceeds the budget is not considered."""
+Everything is measured as jitbatch runs, nothing is a constant tuned to one
+machine (the starting values are only priors, replaced by the first
+measurements):
+
+* per signature, the mean seconds of one launch (``SigInfo.launch_cost`` /
+  ``launches``, timed around each launch: gathers, the call, bookkeeping);
+* per policy, analysis seconds per node (scheduling and gather planning);
+* how many launches the agenda saves over depth grouping, learned from every
+  flush that ran the agenda (depth groups are counted on every flush: O(N)).
+
+A flush predicts, for each policy, analysis + execution time, drops the
+policies whose predicted analysis exceeds ``analysis_budget`` x predicted
+execution, and runs the cheapest that is left (``sequential``, which needs no
+analysis, is always allowed). If no two nodes share (depth, signature), nothing
+can merge and ``sequential`` runs without further analysis."""
 
 
 class Model(object):
     def __init__(self):
-        # seconds per node of analysis, per policy (running means; priors are
-        # only starting points and are replaced by the first measurement)
-        self.analysis = {"depth": 2e-6, "agenda": 4e-6, "sequential": 2e-7}
-        self.launch = 3e-4          # seconds per launch, running mean
+        self.analysis = {"depth": 3e-6, "agenda": 8e-6, "sequential": 1e-7}
+        self.launch = 3e-4           # mean seconds per launch, all signatures
+        self.agenda_ratio = 0.7      # agenda launches / depth groups
         self.observed = 0
 
-    def observe(self, policy, nodes, analysis_s, launches, execute_s):
+    def observe(self, policy, nodes, analysis_s, launches, execute_s, depth_groups):
         if nodes:
             a = self.analysis[policy]
             self.analysis[policy] = 0.8 * a + 0.2 * (analysis_s / nodes)
         if launches:
             self.launch = 0.8 * self.launch + 0.2 * (execute_s / launches)
+        if policy == "agenda" and depth_groups:
+            self.agenda_ratio = 0.8 * self.agenda_ratio + 0.2 * (launches / depth_groups)
         self.observed += 1
 
+    def launch_cost(self, info):
+        return info.launch_cost / info.launches if info.launches else self.launch
+
     @staticmethod
-    def mergeable(nodes):
-        """Whether any two nodes share (depth, signature): if none do (a chain, a
-        lone node, all-distinct calls), batching cannot pay here."""
-        seen = set()
+    def depth_groups(nodes):
+        """{(depth, signature id): first node} - the launches of depth grouping."""
+        groups = {}
         for n in nodes:
             k = (n.depth, n.info.id)
-            if k in seen:
-                return True
-            seen.add(k)
-        return False
+            if k not in groups:
+                groups[k] = n
+        return groups
 
     def choose(self, nodes, budget):
-        """Return ``(policy, reason, predicted)``."""
+        """Return ``(policy, reason, predictions, depth group count)``."""
         n = len(nodes)
-        if n <= 1 or not self.mergeable(nodes):
-            return "sequential", "no two nodes can run together: nothing to merge", {}
-        predicted = {p: self.analysis[p] * n for p in ("depth", "agenda")}
-        exec_est = self.launch * n
-        if budget is not None:
-            allowed = [p for p in predicted if predicted[p] <= budget * exec_est]
-            if not allowed:
-                return "sequential", "analysis budget %.3g too small" % budget, predicted
+        groups = self.depth_groups(nodes)
+        if n <= 1 or len(groups) == n:
+            return "sequential", "no two nodes can run together: nothing to merge", {}, len(groups)
+        lc = self.launch_cost
+        exec_seq = sum(lc(x.info) for x in nodes)
+        exec_depth = sum(lc(x.info) for x in groups.values())
+        pred = {
+            "sequential": (self.analysis["sequential"] * n, exec_seq),
+            "depth": (self.analysis["depth"] * n, exec_depth),
+            "agenda": (self.analysis["agenda"] * n, exec_depth * self.agenda_ratio),
+        }
+        allowed = [p for p, (a, e) in pred.items()
+                   if p == "sequential" or budget is None or a <= budget * e]
+        best = min(allowed, key=lambda p: sum(pred[p]))
+        if len(allowed) < len(pred):
+            why = "cheapest predicted within analysis budget %g" % budget
         else:
-            allowed = list(predicted)
-        # agenda merges at least as much as depth on the graphs we see (it can
-        # run any ready node, not only those of equal depth); prefer it unless
-        # its analysis is predicted to cost more than it could save
-        pol = "agenda" if "agenda" in allowed else allowed[0]
-        return pol, "cheapest allowed policy with merging", predicted
-
+            why = "cheapest predicted (analysis + execution)"
+        return best, why, {p: {"analysis": a, "execute": e} for p, (a, e) in pred.items()}, len(groups)
 
     @staticmethod
     def passthrough_after(nodes, launches):

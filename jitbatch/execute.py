@@ -20,9 +20,9 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
         return
     nodes = graph.take()
     t0 = time.perf_counter()
-    chosen, why, predicted = (policy, "set by the user", {})
+    chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
     if policy == "auto":
-        chosen, why, predicted = cost.MODEL.choose(nodes, budget)
+        chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
     batches = schedule.SCHEDULERS[chosen](nodes)
     for batch in batches:
         g = Group(len(batch))
@@ -41,8 +41,14 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     graph.executing = True
     done = 0
     try:
+        clock = time.perf_counter
         for batch in batches:
+            ts = clock()
             backend.launch(batch)
+            info = batch[0].info
+            info.launch_cost += clock() - ts
+            info.launches += 1
+            info.launch_rows += len(batch)
             done += 1
     except BaseException as e:
         for n in nodes:
@@ -68,9 +74,9 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
                   analysis_seconds=t1 - t0, execute_seconds=t2 - t1)
     if policy == "auto":
-        cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1)
+        cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1, groups)
         graph.passthrough = cost.MODEL.passthrough_after(len(nodes), len(batches))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": t1 - t0,
-                          "execute_seconds": t2 - t1, "predicted_analysis": predicted,
+                          "execute_seconds": t2 - t1, "predicted": predicted,
                           "reason": reason})

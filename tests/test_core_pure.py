@@ -105,6 +105,21 @@ def test_auto_runs_sequential_when_nothing_repeats():
     for k in range(4):
         info = table.add(k, lambda i: SigInfo(i, k, None, (), True, "op%d" % k))
         prev = V(g.add(info, (prev,) if prev else (), None, (False, False)))
-    pol, why, _ = cost.MODEL.choose(list(g.nodes), None)
+    pol, why, _, _ = cost.MODEL.choose(list(g.nodes), None)
     assert pol == "sequential" and "nothing to merge" in why
     assert cost.MODEL.passthrough_after(4, 4) >= 64 and cost.MODEL.passthrough_after(4, 3) == 0
+
+
+def test_budget_steers_auto():
+    table = SignatureTable()
+    g = _tree_graph(4, 3, table)
+    nodes = list(g.nodes)
+    m = cost.Model()
+    pol, _, pred, groups = m.choose(nodes, None)
+    assert groups == 3 and pol in ("depth", "agenda")
+    assert pred["agenda"]["execute"] < pred["sequential"]["execute"]
+    pol0, why0, _, _ = m.choose(nodes, 0.0)      # no analysis allowed at all
+    assert pol0 == "sequential" and "budget 0" in why0
+    # analysis measured as very expensive for the agenda: auto stops using it
+    m.analysis["agenda"] = 1.0
+    assert m.choose(nodes, None)[0] == "depth"
