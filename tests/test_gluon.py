@@ -293,3 +293,16 @@ def test_changing_flags_mid_graph_runs_pending_work_first():
     st = jitbatch.stats()
     assert st["flushes"] == 1 and st["last_flush"]["policy"] == "depth"
     assert st["last_flush"]["reason"] == "flags changed" and y.asnumpy().shape == (1, 2)
+
+
+def test_inplace_write_under_record_is_seen_by_later_calls():
+    def go(flag):
+        net = nn.Dense(2, in_units=2, weight_initializer=mx.init.One(), bias_initializer="zeros")
+        net.initialize()
+        net.hybridize(dynamic_batch=True) if flag else net.hybridize(active=False)
+        with autograd.record():
+            y = net(nd.ones((1, 2)))
+            y[:] = 5
+            z = net(y)
+        return z.asnumpy()
+    assert np.array_equal(go(True), go(False))

@@ -100,6 +100,10 @@ class LazyArray(NDArray, Ref):
         return NDArray.__getitem__(self, key)
 
     def __setitem__(self, key, value):
+        # an in-place write: the array becomes a concrete one of its own (under
+        # autograd its computed value is a copy, so later reads must use it)
+        self.value()
+        self._node = backend.DETACHED
         NDArray.__setitem__(self, key, value)
 
     def reshape(self, *shape, **kwargs):

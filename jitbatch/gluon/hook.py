@@ -407,8 +407,6 @@ def _parse_flags(block, kwargs):
             raise FlagError("hybridize(analysis_budget=%r) on %s: expected a number >= 0 "
                             "(a fraction of the flush's predicted execution time) or None"
                             % (budget, block.name))
-    if not db and ("policy" in kwargs or "analysis_budget" in kwargs):
-        pass
     return BatchConfig(policy, None if budget is None else float(budget)) if db else None
 
 
@@ -481,10 +479,4 @@ def uninstall():
             delattr(owner, name)
         else:
             setattr(owner, name, orig)
-    TABLE.clear()
-    _clear_all_flags()
-
-
-def _clear_all_flags():
-    """Instances keep ``_jb_cfg``/``_jb_token`` attributes; they are inert once the
-    patched methods are gone."""
+    TABLE.clear()   # block instances keep inert _jb_cfg/_jb_token attributes
