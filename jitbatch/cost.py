@@ -11,9 +11,12 @@ measurements):
   flush that ran the agenda (depth groups are counted on every flush: O(N)).
 
 A flush predicts, for each policy, analysis + execution time, drops the
-policies whose predicted analysis exceeds ``analysis_budget`` x predicted
-execution, and runs the cheapest that is left (``sequential``, which needs no
-analysis, is always allowed). If no two nodes share (depth, signature), nothing
+policies whose predicted analysis exceeds ``analysis_budget`` x the predicted
+UNBATCHED execution time (one launch per node: the time batching is there to
+save), and runs the cheapest that is left (``sequential``, which needs no
+analysis, is always allowed). Launch times are measured on the Python side;
+MXNet computes asynchronously, so they undercount kernels, which is why the
+budget is set against the unbatched run, whose launch count is exact. If no two nodes share (depth, signature), nothing
 can merge and ``sequential`` runs without further analysis."""
 
 
@@ -23,15 +26,23 @@ class Model(object):
         self.launch = 3e-4           # mean seconds per launch, all signatures
         self.agenda_ratio = 0.7      # agenda launches / depth groups
         self.observed = 0
+        self._measured = set()       # which priors a measurement has replaced
+
+    def _update(self, name, old, new):
+        if name not in self._measured:
+            self._measured.add(name)
+            return new
+        return 0.8 * old + 0.2 * new
 
     def observe(self, policy, nodes, analysis_s, launches, execute_s, depth_groups):
         if nodes:
-            a = self.analysis[policy]
-            self.analysis[policy] = 0.8 * a + 0.2 * (analysis_s / nodes)
+            self.analysis[policy] = self._update(policy, self.analysis[policy],
+                                                 analysis_s / nodes)
         if launches:
-            self.launch = 0.8 * self.launch + 0.2 * (execute_s / launches)
+            self.launch = self._update("launch", self.launch, execute_s / launches)
         if policy == "agenda" and depth_groups:
-            self.agenda_ratio = 0.8 * self.agenda_ratio + 0.2 * (launches / depth_groups)
+            self.agenda_ratio = self._update("ratio", self.agenda_ratio,
+                                             launches / depth_groups)
         self.observed += 1
 
     def launch_cost(self, info):
@@ -62,7 +73,7 @@ class Model(object):
             "agenda": (self.analysis["agenda"] * n, exec_depth * self.agenda_ratio),
         }
         allowed = [p for p, (a, e) in pred.items()
-                   if p == "sequential" or budget is None or a <= budget * e]
+                   if p == "sequential" or budget is None or a <= budget * exec_seq]
         best = min(allowed, key=lambda p: sum(pred[p]))
         if len(allowed) < len(pred):
             why = "cheapest predicted within analysis budget %g" % budget
@@ -71,11 +82,12 @@ class Model(object):
         return best, why, {p: {"analysis": a, "execute": e} for p, (a, e) in pred.items()}, len(groups)
 
     @staticmethod
-    def passthrough_after(nodes, launches):
-        """Calls to run eagerly (unrecorded) after an 'auto' flush that merged
-        nothing: recording would be pure overhead. Bounded, so batchable work
-        that follows is recorded again soon (the next flush re-checks)."""
-        if launches < nodes or nodes < 2:
+    def passthrough_after(nodes, launches, nothing_to_merge=True):
+        """Calls to run eagerly (unrecorded) after an 'auto' flush in which no
+        two nodes could run together: recording would be pure overhead. Bounded,
+        so batchable work that follows is recorded again soon (the next flush
+        re-checks). Not after a flush the budget kept sequential."""
+        if not nothing_to_merge or launches < nodes or nodes < 2:
             return 0
         return max(64, 4 * nodes)
 

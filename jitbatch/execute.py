@@ -75,7 +75,8 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
                   analysis_seconds=t1 - t0, execute_seconds=t2 - t1)
     if policy == "auto":
         cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1, groups)
-        graph.passthrough = cost.MODEL.passthrough_after(len(nodes), len(batches))
+        graph.passthrough = cost.MODEL.passthrough_after(
+            len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": t1 - t0,
                           "execute_seconds": t2 - t1, "predicted": predicted,

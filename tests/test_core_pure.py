@@ -108,6 +108,7 @@ def test_auto_runs_sequential_when_nothing_repeats():
     pol, why, _, _ = cost.MODEL.choose(list(g.nodes), None)
     assert pol == "sequential" and "nothing to merge" in why
     assert cost.MODEL.passthrough_after(4, 4) >= 64 and cost.MODEL.passthrough_after(4, 3) == 0
+    assert cost.MODEL.passthrough_after(4, 4, nothing_to_merge=False) == 0
 
 
 def test_budget_steers_auto():

@@ -1,0 +1,317 @@
+"""Tree-LSTM throughput: per-sample Gluon, hand level-by-level batching, jitbatch.
+
+One process, one run, on the full-size SICK-shaped set (data/sick_full; made by
+scripts/make_sick_like.py --full when missing). Two workloads:
+
+* training: minibatches of --train-size pairs (25), forward + one backward of
+  the summed KL loss + Adagrad update (lr 0.02, wd 1e-4);
+* inference: minibatches of --infer-size pairs (256), forward only, every
+  prediction (expected score) read back to numpy.
+
+Modes (all on ONE model, so the same parameters):
+  plain       per-sample Gluon, not hybridized
+  hybrid      per-sample Gluon, hybridized blocks
+  hand        hand-written level-by-level batching (examples/tree_lstm/hand_batched.py)
+  jit:POLICY  jitbatch, net.hybridize(dynamic_batch=True, policy=POLICY), POLICY in
+              depth, agenda, auto
+
+Before timing, every mode must give the same loss on the first training
+minibatch and the same predictions on it (rtol 1e-4); the script aborts
+otherwise. Then the modes are timed in interleaved rounds (a warm-up
+minibatch, then the timed ones, per mode and round); ratios are taken within
+each round and the median over rounds is printed, so a noisy machine moves
+all modes alike. Per-sample modes (--slow-modes) are slow and get only
+--slow-batches minibatches per round, after a warm-up of 8 pairs (per-sample
+code has nothing that a bigger warm-up would warm).
+
+For the jitbatch modes the table also gives the analysis fraction: jitbatch's
+analysis seconds (scheduling) divided by the wall time of the timed steps; and
+what policy 'auto' chose (jitbatch.stats()['last_flush'] and per-policy flush
+counts). The execute column is the same fraction for the seconds jitbatch spends
+in its flushes issuing the merged launches (gathers, block calls; MXNet runs
+operators asynchronously, so this is issue time plus any waits). The rest of a
+step is recording the per-sample calls, MXNet's backward and the update.
+
+Threads: OpenMP (hence MXNet) reads OMP_NUM_THREADS only once, when the MXNet
+library is loaded by ``import mxnet``; setting it afterwards has no effect.
+So --threads is applied before anything imports mxnet: the variable is set in
+this process when mxnet is not loaded yet, and otherwise the script re-executes
+itself with the variable set.
+
+    python scripts/bench_tree_lstm.py                       # defaults, ~5 min on 2 busy cores
+    python scripts/bench_tree_lstm.py --rounds 1 --train-batches 1 --infer-batches 1
+    python scripts/bench_tree_lstm.py --modes hand,jit:auto --json runs/bench.json
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ALL_MODES = ("plain", "hybrid", "hand", "jit:depth", "jit:agenda", "jit:auto")
+_REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
+SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--data", default=os.path.join(ROOT, "data", "sick_full"))
+    ap.add_argument("--modes", default=",".join(ALL_MODES),
+                    help="comma-separated, from: %s" % ", ".join(ALL_MODES))
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median taken)")
+    ap.add_argument("--train-batches", type=int, default=5,
+                    help="timed training minibatches per mode per round")
+    ap.add_argument("--infer-batches", type=int, default=2,
+                    help="timed inference minibatches per mode per round")
+    ap.add_argument("--slow-batches", type=int, default=1,
+                    help="timed minibatches per round (both workloads) for --slow-modes")
+    ap.add_argument("--slow-modes", default="plain,hybrid",
+                    help="modes timed on --slow-batches minibatches only")
+    ap.add_argument("--train-size", type=int, default=25, help="pairs per training minibatch")
+    ap.add_argument("--infer-size", type=int, default=256, help="pairs per inference minibatch")
+    ap.add_argument("--workloads", default="train,infer")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="OMP_NUM_THREADS for MXNet (set before mxnet is imported)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="save the results table as JSON")
+    return ap
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in ALL_MODES]
+    if bad or not args.mode_list:
+        raise SystemExit("--modes: unknown mode(s) %s; choose from %s"
+                         % (", ".join(bad) or "(none)", ", ".join(ALL_MODES)))
+    args.slow = set(m.strip() for m in args.slow_modes.split(",") if m.strip())
+    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not args.workload_list or set(args.workload_list) - {"train", "infer"}:
+        raise SystemExit("--workloads: expected train, infer or both")
+    for name in ("rounds", "train_batches", "infer_batches", "slow_batches", "train_size",
+                 "infer_size", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit("--%s must be at least 1" % name.replace("_", "-"))
+    return args
+
+
+def set_threads(threads, argv, script=None):
+    """Make MXNet run with OMP_NUM_THREADS=threads. Must happen before ``import mxnet``:
+    set the variable when mxnet is not loaded yet, else re-execute ``script``."""
+    want = str(threads)
+    if os.environ.get("OMP_NUM_THREADS") == want:
+        return
+    os.environ["OMP_NUM_THREADS"] = want
+    if "mxnet" not in sys.modules:
+        return
+    if script is None or os.environ.get(_REEXEC_GUARD):
+        raise SystemExit("mxnet was imported before --threads %s could be applied; set "
+                         "OMP_NUM_THREADS=%s in the environment instead" % (want, want))
+    os.environ[_REEXEC_GUARD] = "1"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, os.path.abspath(script)] + list(argv))
+
+
+def imports():
+    """The framework imports, after set_threads."""
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)
+    import bench_core  # noqa: F401  (sets OMP_NUM_THREADS only if still unset)
+    return bench_core
+
+
+class Modes(object):
+    """The bench_core model (one set of parameters) plus hand batching and inference."""
+
+    def __init__(self, bench_core, vocab_size, seed):
+        from mxnet import autograd, nd
+        from examples.tree_lstm.hand_batched import HandBatched
+        from examples.tree_lstm.model import expected_score
+        self.nd, self.autograd, self.expected_score = nd, autograd, expected_score
+        self.run = bench_core.Runner(vocab_size, seed=seed)
+        self.net = self.run.net
+        self.hand = HandBatched(self.net, hybridize=False)
+        self.current = None
+
+    def mode(self, name):
+        self.current = name
+        self.run.mode("hybrid" if name == "hand" else name)
+
+    def train_step(self, batch, update=True):
+        if self.current != "hand":
+            return self.run.step(batch, update=update)
+        nd = self.nd
+        target = nd.concat(*[s[4] for s in batch], dim=0)
+        with self.autograd.record():
+            total = nd.sum(self.run.loss(self.hand(batch), target))
+        total.backward()
+        if update:
+            self.run.trainer.step(len(batch))
+        return total.asscalar()
+
+    def infer_step(self, batch):
+        nd = self.nd
+        if self.current == "hand":
+            logp = self.hand(batch)
+        else:
+            logp = nd.concat(*[self.net(*s[:4]) for s in batch], dim=0)
+        return self.expected_score(logp).asnumpy()
+
+
+def check_same(modes, names, batch):
+    """Loss (training, no update) and predictions of the first minibatch in every mode."""
+    import numpy as np
+    loss, pred = {}, {}
+    for m in names:
+        modes.mode(m)
+        loss[m] = modes.train_step(batch, update=False)
+        pred[m] = modes.infer_step(batch)
+    ref = names[0]
+    bad = [m for m in names if not np.isclose(loss[m], loss[ref], rtol=1e-4)]
+    bad += [m for m in names if m not in bad
+            and not np.allclose(pred[m], pred[ref], rtol=1e-4, atol=1e-5)]
+    if bad:
+        lines = ["  %-11s loss %.7f  max |pred - %s pred| %.3g"
+                 % (m, loss[m], ref, float(np.abs(pred[m] - pred[ref]).max())) for m in names]
+        raise SystemExit("ABORT: the modes do not compute the same model on the first "
+                         "minibatch (%s differ from %s):\n%s"
+                         % (", ".join(bad), ref, "\n".join(lines)))
+    return loss
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def ratio_medians(rates, mode, base):
+    if base not in rates or mode not in rates:
+        return None
+    return median([a / b for a, b in zip(rates[mode], rates[base])])
+
+
+def times(x):
+    return "-" if x is None else "%.2fx" % x
+
+
+def percent(x):
+    return "-" if x is None else "%.1f%%" % (100 * x)
+
+
+def main(argv=None, script=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    set_threads(args.threads, argv, script)
+    bench_core = imports()
+    import jitbatch
+    from tqdm import tqdm
+
+    names = args.mode_list
+    sizes = {"train": args.train_size, "infer": args.infer_size}
+    counts = {"train": args.train_batches, "infer": args.infer_batches}
+    slow = args.slow_batches if args.slow & set(names) else 0
+    most = {w: max(counts[w], slow) for w in args.workload_list}   # timed batches; then warm-up
+    need = max([sizes[w] * (most[w] + 1) for w in args.workload_list] + [args.train_size])
+    t_load = time.perf_counter()
+    pairs, vocab_size = bench_core.load_pairs(bench_core.ensure_full_data(args.data), need)
+    if len(pairs) < need:
+        raise SystemExit("%s has %d training pairs; these settings need %d"
+                         % (args.data, len(pairs), need))
+    print("loaded %d pairs (vocabulary %d) in %.1f s; OMP_NUM_THREADS=%s"
+          % (len(pairs), vocab_size, time.perf_counter() - t_load,
+             os.environ.get("OMP_NUM_THREADS")), flush=True)
+
+    modes = Modes(bench_core, vocab_size, args.seed)
+    first = check_same(modes, names, pairs[:args.train_size])
+    print("first training minibatch: loss %.6f in every mode (%s); predictions equal"
+          % (first[names[0]], ", ".join(names)), flush=True)
+
+    step = {"train": modes.train_step, "infer": modes.infer_step}
+    rates = {w: {m: [] for m in names} for w in args.workload_list}
+    analysis = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
+    execute = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
+    chosen = {w: {} for w in args.workload_list}
+    total = args.rounds * len(args.workload_list) * len(names)
+    bar = tqdm(total=total, desc="bench", leave=False, file=sys.stderr)
+    for r in range(args.rounds):
+        for w in args.workload_list:
+            size = sizes[w]
+            for m in names:
+                bar.set_postfix(round=r + 1, workload=w, mode=m)
+                n = args.slow_batches if m in args.slow else counts[w]
+                warm = pairs[most[w] * size:(most[w] + 1) * size]
+                if m in args.slow:   # per-sample: a few pairs build every cache it has
+                    warm = warm[:SLOW_WARM]
+                modes.mode(m)
+                step[w](warm)                                # warm caches for this mode
+                jitbatch.reset_stats()
+                t0 = time.perf_counter()
+                for i in range(n):
+                    step[w](pairs[i * size:(i + 1) * size])
+                dt = time.perf_counter() - t0
+                rates[w][m].append(n * size / dt)
+                if m.startswith("jit:"):
+                    st = jitbatch.stats()
+                    analysis[w][m].append(st["analysis_seconds"] / dt)
+                    execute[w][m].append(st["execute_seconds"] / dt)
+                    if m == "jit:auto":
+                        lf = st["last_flush"]
+                        seen = chosen[w].get("flush_policies", {})
+                        for pol, k in st["policies"].items():
+                            seen[pol] = seen.get(pol, 0) + k
+                        chosen[w] = {"policy": lf.get("policy"), "why": lf.get("why"),
+                                     "flush_policies": seen,
+                                     "nodes": lf.get("nodes"), "launches": lf.get("launches")}
+                bar.update()
+    bar.close()
+
+    result = {"threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds,
+              "first_loss": first[names[0]], "args": {k: v for k, v in vars(args).items()
+                                                     if k not in ("slow",)},
+              "workloads": {}}
+    for w in args.workload_list:
+        table = {}
+        for m in names:
+            table[m] = {"pairs_per_s": median(rates[w][m]), "rates": rates[w][m],
+                        "vs_plain": ratio_medians(rates[w], m, "plain"),
+                        "vs_hand": ratio_medians(rates[w], m, "hand"),
+                        "analysis_fraction": median(analysis[w].get(m, [])),
+                        "execute_fraction": median(execute[w].get(m, [])),
+                        "timed_batches": args.slow_batches if m in args.slow else counts[w]}
+        result["workloads"][w] = {"minibatch": sizes[w], "modes": table, "auto": chosen[w]}
+        title = ("training (forward + backward + Adagrad)" if w == "train"
+                 else "inference (forward, predictions read)")
+        print()
+        print("%s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved rounds"
+              % (title, sizes[w], result["threads"], args.rounds))
+        print("%-11s %9s %9s %9s %9s %9s %8s" % ("mode", "pairs/s", "vs plain", "vs hand",
+                                                "analysis", "execute", "batches"))
+        for m in names:
+            row = table[m]
+            print("%-11s %9.1f %9s %9s %9s %9s %8d" % (
+                m, row["pairs_per_s"], times(row["vs_plain"]), times(row["vs_hand"]),
+                percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
+                row["timed_batches"]))
+        if "jit:auto" in names and not chosen[w].get("flush_policies"):
+            print("jit:auto: no timed flush: its calls ran eagerly (passthrough after a "
+                  "flush that merged nothing)")
+        elif chosen[w]:
+            c = chosen[w]
+            print("jit:auto chose %s (%s); last flush %s nodes in %s launches; timed "
+                  "flushes by policy, all rounds: %s"
+                  % (c["policy"], c["why"], c["nodes"], c["launches"], c["flush_policies"]))
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print("\nsaved %s" % args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main(script=__file__)
