@@ -10,6 +10,8 @@ The output has the preprocessed SICK layout read by
     OUT/{train,dev,test}/a.parents   1-based dependency head per token, 0 = root
     OUT/{train,dev,test}/b.parents
     OUT/{train,dev,test}/sim.txt     relatedness score in [1, 5], one decimal
+    OUT/vectors.<D>d.txt             optional (--vectors-dim D; default with --full):
+                                     GloVe-format "pretrained" word vectors
 
 How the data are made
 ---------------------
@@ -24,17 +26,21 @@ How the data are made
   nouns head determiners and adjectives.  Lengths are resampled into [3, 30].
 * Sentence b of a pair is a perturbation of sentence a of random strength:
   synonym swaps, word replacements, added or deleted modifiers, determiner
-  changes, negation, moved prepositional phrases, or (for ~12% of the pairs)
+  changes, negation, moved prepositional phrases, or (for 8% of the pairs)
   an unrelated sentence.  a and b are swapped half of the time.
 * Score: every word has a hidden "meaning" vector (synonyms are close).  A
   sentence's meaning is composed bottom-up over its dependency tree with a
   fixed child-sum recursion, ``h = tanh(A x_word + B sum(h_children))``, the
   same family of functions a child-sum Tree-LSTM computes.  The score is the
-  cosine of the two root vectors squashed into [1, 5] plus Gaussian noise
-  (sd 0.2), rounded to one decimal.  It is thus a learnable function of the
-  two trees; the summary prints the correlation of the noise-free score with
-  the written one (the ceiling a model can reach) and that of a word-overlap
-  baseline.
+  cosine c of the two root vectors squashed into [1, 5] by
+  ``1 + 4 exp(-((1 - c) / 0.5) ** 0.7)``, plus Gaussian noise (sd 0.2),
+  clipped to [1, 5] and rounded to one decimal.  It is thus a learnable
+  function of the two trees; the summary prints the correlation of the
+  noise-free score with the written one (the ceiling a model can reach) and
+  that of a word-overlap baseline.
+* Vectors (optional): real GloVe vectors mean nothing for synthetic words, so
+  ``--vectors-dim D`` writes a stand-in: a fixed random projection of each
+  word's hidden meaning plus noise, covering ~98% of the vocabulary.
 
 Split sizes
 -----------
@@ -67,7 +73,10 @@ MIN_LEN, MAX_LEN = 3, 30
 
 LATENT_DIM = 10
 SCORE_NOISE = 0.2
-SCORE_TAU = 0.4
+VECTOR_NOISE = 0.3
+VECTOR_OOV = 0.02
+SCORE_TAU = 0.5
+SCORE_POWER = 0.7
 
 # --- closed-class words -----------------------------------------------------
 DETS_SG = ("a", "the", "one", "this")
@@ -199,7 +208,7 @@ class Lexicon:
                 word = stem + ADJ_SUFFIXES[self.rng.integers(len(ADJ_SUFFIXES))]
             else:
                 word = stem + suffix
-            if len(word) >= 2 and word not in used:
+            if len(word) >= 3 and word not in used:
                 used.add(word)
                 return word
 
@@ -461,11 +470,15 @@ def op_reorder(lex, rng, root):
     """Meaning-preserving reordering of sibling subtrees."""
     if root.pos == "VERB" and rng.random() < 0.5 and move_pp_to_front(root):
         return True
-    heads = [n for n in root.nodes() if len(n.right) >= 2]
+    def swappable(node):  # keep "X and Y" intact
+        return [i for i, c in enumerate(node.right) if c.role not in ("cc", "conj")]
+
+    heads = [n for n in root.nodes() if len(swappable(n)) >= 2]
     head = _pick(rng, heads)
     if head is None:
         return move_pp_to_front(root) if root.pos == "VERB" else False
-    i, j = sorted(int(k) for k in rng.choice(len(head.right), size=2, replace=False))
+    slots = swappable(head)
+    i, j = (slots[int(k)] for k in rng.choice(len(slots), size=2, replace=False))
     head.right[i], head.right[j] = head.right[j], head.right[i]
     return True
 
@@ -504,7 +517,8 @@ def perturb(lex, rng, a_root):
 
 def squash(cosine):
     """Map the cosine of the two meaning vectors to [1, 5] (fixed, monotone, 5 at cosine 1)."""
-    return 1.0 + 4.0 * math.exp(-(1.0 - cosine) / SCORE_TAU)
+    distance = max(1.0 - cosine, 0.0)
+    return 1.0 + 4.0 * math.exp(-(distance / SCORE_TAU) ** SCORE_POWER)
 
 
 def make_pair(lex, rng):
@@ -573,7 +587,7 @@ def compute_stats(splits, vocab, clean_scores):
         "depth_hist": dict(sorted(depth_hist.items())),
         "depth_median": float(np.median(depths)),
         "max_children": int(max(max_kids)),
-        "frac_nodes_4plus_children": float(np.mean(np.array(max_kids) >= 4)),
+        "frac_trees_4plus_children": float(np.mean(np.array(max_kids) >= 4)),
         "score_mean": float(scores.mean()),
         "score_std": float(scores.std()),
         "score_hist": [int(((scores >= lo) & ((scores < lo + 1) if lo < 4 else (scores <= 5))).sum())
@@ -593,7 +607,7 @@ def print_stats(stats, out, file=sys.stdout):
     pr("  tree depth      : median %g, histogram %s"
        % (stats["depth_median"], " ".join("%d:%d" % kv for kv in stats["depth_hist"].items())))
     pr("  max children    : %d (%.0f%% of trees have a node with >= 4 children)"
-       % (stats["max_children"], 100 * stats["frac_nodes_4plus_children"]))
+       % (stats["max_children"], 100 * stats["frac_trees_4plus_children"]))
     pr("  score           : mean %.3f, std %.3f, counts in [1,2) [2,3) [3,4) [4,5]: %s"
        % (stats["score_mean"], stats["score_std"], stats["score_hist"]))
     pr("  pearson r       : noise-free score %.3f (ceiling), word-overlap baseline %.3f"
@@ -638,12 +652,19 @@ def parse_args(argv):
     parser.add_argument("--split-style", choices=("small", "sick"), default=None,
                         help="'small': 2/3, 1/6, 1/6 (default); 'sick': 4500/500/4927 "
                              "proportions (default with --full)")
+    parser.add_argument("--vectors-dim", type=int, default=None,
+                        help="also write OUT/vectors.<D>d.txt, GloVe-format vectors derived "
+                             "from the hidden word meanings (default: 50 with --full, else none)")
     parser.add_argument("--quiet", action="store_true", help="do not print the summary")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = FULL_OUT if args.full else DEFAULT_OUT
     if args.pairs is None:
         args.pairs = sum(SICK_SPLITS) if args.full else DEFAULT_PAIRS
+    if args.vectors_dim is None:
+        args.vectors_dim = 50 if args.full else 0
+    if args.vectors_dim < 0:
+        parser.error("--vectors-dim must be >= 0")
     if args.split_style is None:
         args.split_style = "sick" if args.full else "small"
     if args.pairs < 1:
@@ -666,14 +687,31 @@ def generate(n_pairs, seed, split_style="small", progress=False):
         splits[name] = pairs[start:start + size]
         start += size
     vocab = sorted({tok for a, b, _ in pairs for tok in a[0] + b[0]})
-    return splits, vocab, clean_scores
+    return splits, vocab, clean_scores, lex
+
+
+def make_vectors(lex, vocab, dim, seed):
+    """GloVe-style pretrained vectors for ``vocab``: a fixed random projection of
+    each word's hidden meaning plus noise; about 2% of the words are left out,
+    like real out-of-vocabulary words.  Uses its own random stream, so asking
+    for vectors does not change the pairs.  Returns a list of text lines."""
+    rng = np.random.default_rng([seed, 1])
+    projection = rng.normal(size=(dim, LATENT_DIM)) / math.sqrt(LATENT_DIM)
+    lines = []
+    for token in vocab:
+        noise = rng.normal(size=dim)
+        if rng.random() < VECTOR_OOV:
+            continue
+        vec = 0.4 * (projection @ lex.vec[token] + VECTOR_NOISE * noise)
+        lines.append(token + " " + " ".join("%.4f" % v for v in vec))
+    return lines
 
 
 def main(argv=None):
     """Command-line entry point; returns the statistics dict."""
     args = parse_args(argv)
-    splits, vocab, clean_scores = generate(args.pairs, args.seed, args.split_style,
-                                           progress=args.full or args.pairs >= 2000)
+    splits, vocab, clean_scores, lex = generate(args.pairs, args.seed, args.split_style,
+                                                progress=args.full or args.pairs >= 2000)
     out = args.out
     for name, pairs in splits.items():
         split_dir = os.path.join(out, name)
@@ -686,6 +724,9 @@ def main(argv=None):
                     [" ".join(map(str, b[1])) for _, b, _ in pairs])
         write_lines(os.path.join(split_dir, "sim.txt"), ["%.1f" % s for _, _, s in pairs])
     write_lines(os.path.join(out, "vocab.txt"), vocab)
+    if args.vectors_dim:
+        write_lines(os.path.join(out, "vectors.%dd.txt" % args.vectors_dim),
+                    make_vectors(lex, vocab, args.vectors_dim, args.seed))
     stats = compute_stats(splits, vocab, clean_scores)
     if not args.quiet:
         print_stats(stats, out)

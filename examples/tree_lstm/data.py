@@ -521,7 +521,7 @@ def load_word_vectors(path, vocab, dim, seed=0, init_scale=0.05, return_missing=
                 embedding = nlp.embedding.TokenEmbedding.from_file(subset, elem_delim=" ")
             except AssertionError as err:  # gluonnlp reports format problems by assert
                 raise ValueError("%s: %s" % (path, err)) from None
-        found = set(embedding.token_to_idx)
+        found = {line.split(" ", 1)[0] for line in kept}
         found_rows = [i for i, tok in enumerate(vocab.idx_to_token) if tok in found]
         if found_rows:
             vectors = embedding[[vocab.idx_to_token[i] for i in found_rows]]
