@@ -48,6 +48,53 @@ class Node(object):
         return "<Node #%d %s depth=%d %s>" % (self.seq, self.info.name, self.depth, state)
 
 
+class Composite(object):
+    """The producer of a lazy value made only of other values' rows (a stack of
+    per-sample rows, a concatenation along axis 0): no node, no launch of its
+    own. Consumers depend on, and gather from, its ``parts``; ``build`` makes
+    the value when it is read on its own. ``batch`` is never None: it is not
+    pending itself."""
+    __slots__ = ("parts", "build", "mode", "depth")
+    batch = ()
+    error = None
+    users = None
+
+    def __init__(self, parts, build, mode):
+        self.parts = parts
+        self.build = build
+        self.mode = mode
+        d = 0
+        for x in parts:
+            if isinstance(x, Ref):
+                p = x._node
+                if p.batch is None and p.depth > d:
+                    d = p.depth
+                elif type(p) is Composite and p.depth > d:
+                    d = p.depth
+        self.depth = d
+
+    @property
+    def failed(self):
+        for x in self.parts:
+            if isinstance(x, Ref):
+                p = x._node
+                err = p.failed if type(p) is Composite else p.error
+                if err is not None:
+                    return err
+        return None
+
+
+def _producers(x, out):
+    """Pending producer nodes behind one input (through composites)."""
+    p = x._node
+    if type(p) is Composite:
+        for y in p.parts:
+            if isinstance(y, Ref):
+                _producers(y, out)
+    elif p.batch is None:
+        out.append(p)
+
+
 class Group(object):
     """One scheduled batch: its size, and its outputs once launched."""
     __slots__ = ("size", "outs", "rows")
@@ -76,14 +123,20 @@ class Graph(object):
         for x in inputs:
             if isinstance(x, Ref):
                 p = x._node
-                if p.batch is None and p.graph is self:
-                    n.wait += 1
-                    if p.users is None:
-                        p.users = [n]
-                    else:
-                        p.users.append(n)
-                    if p.depth > d:
-                        d = p.depth
+                if type(p) is Composite:
+                    ps = []
+                    _producers(x, ps)
+                else:
+                    ps = (p,)
+                for p in ps:
+                    if p.batch is None and p.graph is self:
+                        n.wait += 1
+                        if p.users is None:
+                            p.users = [n]
+                        else:
+                            p.users.append(n)
+                        if p.depth > d:
+                            d = p.depth
         n.depth = d + 1
         self.seq += 1
         self.nodes.append(n)

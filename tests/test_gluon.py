@@ -311,3 +311,36 @@ def test_inplace_writes_behave_as_in_plain_mxnet():
     for flag in (False, True):        # MXNet refuses writes inside record, batched or not
         with pytest.raises(mx.base.MXNetError, match="inplace operations"):
             go(flag, True)
+
+
+def test_row_stacks_and_axis0_concats_are_virtual():
+    net = nn.Dense(3, in_units=2)
+    net.initialize()
+    xs = [nd.array([[i, 1.0 - i]]) for i in range(4)]
+    net.hybridize(active=False)
+    want_stack = nd.stack(*[net(x) for x in xs], axis=1).asnumpy()
+    want_cat = nd.concat(*[net(x) for x in xs], dim=0).asnumpy()
+    net.hybridize(dynamic_batch=True)
+    jitbatch.reset_stats()
+    ys = [net(x) for x in xs]
+    st = nd.stack(*ys, axis=1)
+    cat = nd.concat(*ys, dim=0)
+    assert st.shape == (1, 4, 3) and cat.shape == (4, 3)
+    assert jitbatch.stats()["pending"] == 4          # no node for either
+    assert np.allclose(st.asnumpy(), want_stack) and np.allclose(cat.asnumpy(), want_cat)
+    assert jitbatch.stats()["launches"] == 1         # only the Dense launch
+    # consumed by a block: its gather takes the rows directly, gradients flow
+    head = nn.Dense(1, in_units=12, flatten=True)
+    head.initialize()
+    x0 = xs[0]
+    x0.attach_grad()
+    for flag in (False, True):
+        net.hybridize(dynamic_batch=flag) if flag else net.hybridize(active=False)
+        head.hybridize(dynamic_batch=flag) if flag else head.hybridize(active=False)
+        with autograd.record():
+            out = head(nd.stack(*[net(x) for x in xs], axis=1))
+        out.backward()
+        if flag:
+            assert np.allclose(out.asnumpy(), ref_out) and np.allclose(x0.grad.asnumpy(), ref_grad)
+        else:
+            ref_out, ref_grad = out.asnumpy(), x0.grad.asnumpy().copy()

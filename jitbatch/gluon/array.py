@@ -10,7 +10,7 @@ from mxnet import ndarray as _nd
 from mxnet.ndarray import NDArray
 
 from ..errors import StaleValueError
-from ..graph import Ref
+from ..graph import Composite, Ref
 from . import backend
 
 
@@ -69,6 +69,18 @@ class LazyArray(NDArray, Ref):
 
     def _materialize(self):
         node = self._node
+        if type(node) is Composite:
+            err = node.failed
+            if err is not None:
+                raise StaleValueError("this lazy array is made of rows of a graph whose "
+                                      "execution failed: %s: %s" % (type(err).__name__, err)) from err
+            for part in node.parts:
+                if type(part) is LazyArray:
+                    part.value()
+            with backend.mode_scope(node.mode):
+                v = node.build()
+            self._value = v
+            return v
         if node.batch is None:
             if node.error is not None:
                 raise StaleValueError(
@@ -114,7 +126,8 @@ class LazyArray(NDArray, Ref):
         return _nd.reshape(self, shape=shape, **kwargs)
 
     def __repr__(self):
-        if self._value is None and self._node.batch is None and self._node.error is None:
+        if self._value is None and (self._node.batch is None or type(self._node) is Composite) \
+                and self._node.error is None:
             return "<LazyArray %s %s @%s pending>" % ("x".join(str(s) for s in self._shape),
                                                      self._dtype.__name__ if hasattr(self._dtype, "__name__") else self._dtype,
                                                      self._ctx)
@@ -151,7 +164,7 @@ def _view(arr, r0, rc, squeeze, new_shape):
         if psq:
             return None  # a view of a squeezed view is not a row range of the producer
         r0 = pr0 + r0
-    if arr._node is backend.DETACHED:
+    if arr._node is backend.DETACHED or type(arr._node) is Composite:
         return None
     return LazyArray(arr._node, arr._k, new_shape, arr._dtype, arr._ctx, (r0, rc, squeeze))
 

@@ -13,6 +13,7 @@ from mxnet import ndarray as nd
 from mxnet.ndarray import NDArray
 
 from .. import execute
+from ..graph import Composite
 from ..errors import StaleValueError
 from ..stats import STATS
 
@@ -48,6 +49,16 @@ LazyArray = None  # set by .array (import cycle)
 def mode_scope(mode):
     """The autograd (recording, training) state a node was recorded under."""
     return autograd._RecordingStateScope(mode[0], mode[1])  # pylint: disable=protected-access
+
+
+def _segments(v, sizes, out):
+    """Append the segments of one value (a composite brings its parts' rows)."""
+    node = v._node if type(v) is LazyArray else None
+    if node is not None and type(node) is Composite:
+        for part in node.parts:
+            _segments(part, sizes, out)
+    else:
+        out.append(_segment(v, sizes))
 
 
 def _segment(v, sizes):
@@ -96,9 +107,11 @@ def plan_gather(values, shape, index, sizes):
     """Plan the gather of per-sample ``values`` (all of per-sample ``shape``) into
     the flat layout; index lists are appended to ``index`` (one copy per flush)."""
     n = len(values)
-    segs = [_segment(v, sizes) for v in values]
+    segs = []
+    for v in values:
+        _segments(v, sizes, segs)
     if shape[0] is None:   # ragged: each sample brings its own leading length
-        want = (sum(s[3] for s in segs),) + tuple(shape[1:])
+        want = (sum(v.shape[0] for v in values),) + tuple(shape[1:])
     else:
         want = flat_shape(shape, n)
     rs = segs[0][4]
@@ -211,6 +224,8 @@ def row_value(v):
         return v._value
     if v._value is not None:
         return v._value
+    if type(node) is Composite:
+        return v.value()
     src = node.batch[v._k]
     if node.rows is None:
         b = rows_of(node.info.out_meta[v._k][0])

@@ -15,7 +15,7 @@ from mxnet.symbol import Symbol
 
 from .. import config as _config
 from ..errors import BatchingError, FlagError
-from ..graph import current_graph
+from ..graph import Composite, current_graph
 from ..schedule import POLICIES
 from ..signature import SignatureTable
 from ..stats import STATS
@@ -139,7 +139,65 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     g = current_graph()
     if g.executing:
         return _orig_invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    kind = _ROWS_OPS.get(handle)
+    if kind is not None and not output_is_list:
+        res = _rows_composite(kind, handle, ndargs, keys, vals)
+        if res is not None:
+            return res
     return _record_op(g, handle, ndargs, keys, vals, output_is_list)
+
+
+class _RowsOps(dict):
+    """handle -> 'stack' | 'concat' for the operators that can be virtual."""
+
+    def get(self, handle, default=None):
+        if not self:
+            from .ops import op_name
+            op_name(0)
+            from .ops import _OP_NAMES
+            for h, name in _OP_NAMES.items():
+                if name == "stack":
+                    self[h] = "stack"
+                elif name in ("concat", "Concat"):
+                    self[h] = "concat"
+            self[-1] = None
+        return dict.get(self, handle, default)
+
+
+_ROWS_OPS = _RowsOps()
+
+
+def _rows_composite(kind, handle, ndargs, keys, vals):
+    """A stack along axis 1 of per-sample (1, ...) arrays, or a concat along
+    axis 0, is only its inputs' rows side by side: a Composite, no node. Its
+    consumers gather those rows directly (one take instead of a launch)."""
+    attrs = dict(zip(keys, vals))
+    mc = [_meta(a) for a in ndargs]
+    s0, d0, c0 = mc[0]
+    if not s0 or any(m[1] != d0 or m[2] != c0 for m in mc):
+        return None
+    if kind == "stack":
+        axis = int(attrs.get("axis", 0))
+        if axis < 0:
+            axis += len(s0) + 1
+        if axis != 1 or s0[0] != 1 or any(m[0] != s0 for m in mc):
+            return None
+        shape = (1, len(ndargs)) + tuple(s0[1:])
+    else:
+        dim = int(attrs.get("dim", 1))
+        if dim < 0:
+            dim += len(s0)
+        if dim != 0 or any(m[0][1:] != s0[1:] for m in mc):
+            return None
+        shape = (sum(m[0][0] for m in mc),) + tuple(s0[1:])
+    parts = tuple(ndargs)
+    keys, vals = list(keys), list(vals)
+
+    def build():
+        args = [backend.row_value(a) if type(a) is LazyArray else a for a in parts]
+        return _orig_invoke(handle, args, keys, vals, None, False, False)
+    mode = (autograd.is_recording(), autograd.is_training())
+    return LazyArray(Composite(parts, build, mode), 0, shape, d0, c0)
 
 
 def _record_op(g, handle, ndargs, keys, vals, output_is_list):
