@@ -77,8 +77,9 @@ class LazyArray(NDArray, Ref):
             for part in node.parts:
                 if type(part) is LazyArray:
                     part.value()
+            from .hook import build_composite
             with backend.mode_scope(node.mode):
-                v = node.build()
+                v = build_composite(node)
             self._value = v
             return v
         if node.batch is None:

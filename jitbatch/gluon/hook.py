@@ -147,31 +147,27 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     return _record_op(g, handle, ndargs, keys, vals, output_is_list)
 
 
-class _RowsOps(dict):
-    """handle -> 'stack' | 'concat' for the operators that can be virtual."""
-
-    def get(self, handle, default=None):
-        if not self:
-            from .ops import op_name
-            op_name(0)
-            from .ops import _OP_NAMES
-            for h, name in _OP_NAMES.items():
-                if name == "stack":
-                    self[h] = "stack"
-                elif name in ("concat", "Concat"):
-                    self[h] = "concat"
-            self[-1] = None
-        return dict.get(self, handle, default)
+_ROWS_OPS = {}   # handle -> 'stack' | 'concat': operators that can be virtual
 
 
-_ROWS_OPS = _RowsOps()
+def _init_rows_ops():
+    op_name(0)  # builds the handle -> name table
+    from .ops import _OP_NAMES
+    for h, name in _OP_NAMES.items():
+        if name == "stack":
+            _ROWS_OPS[h] = "stack"
+        elif name in ("concat", "Concat"):
+            _ROWS_OPS[h] = "concat"
 
 
 def _rows_composite(kind, handle, ndargs, keys, vals):
     """A stack along axis 1 of per-sample (1, ...) arrays, or a concat along
     axis 0, is only its inputs' rows side by side: a Composite, no node. Its
     consumers gather those rows directly (one take instead of a launch)."""
-    attrs = dict(zip(keys, vals))
+    attrs = {}
+    for k, v in zip(keys, vals):
+        if k == "axis" or k == "dim":
+            attrs[k] = v
     mc = [_meta(a) for a in ndargs]
     s0, d0, c0 = mc[0]
     if not s0 or any(m[1] != d0 or m[2] != c0 for m in mc):
@@ -190,14 +186,15 @@ def _rows_composite(kind, handle, ndargs, keys, vals):
         if dim != 0 or any(m[0][1:] != s0[1:] for m in mc):
             return None
         shape = (sum(m[0][0] for m in mc),) + tuple(s0[1:])
-    parts = tuple(ndargs)
-    keys, vals = list(keys), list(vals)
-
-    def build():
-        args = [backend.row_value(a) if type(a) is LazyArray else a for a in parts]
-        return _orig_invoke(handle, args, keys, vals, None, False, False)
     mode = (autograd.is_recording(), autograd.is_training())
-    return LazyArray(Composite(parts, build, mode), 0, shape, d0, c0)
+    return LazyArray(Composite(tuple(ndargs), (handle, keys, vals), mode), 0, shape, d0, c0)
+
+
+def build_composite(comp):
+    """The value of a composite read on its own: its operator on its parts."""
+    handle, keys, vals = comp.build
+    args = [backend.row_value(a) if type(a) is LazyArray else a for a in comp.parts]
+    return _orig_invoke(handle, args, list(keys), list(vals), None, False, False)
 
 
 def _record_op(g, handle, ndargs, keys, vals, output_is_list):
@@ -405,8 +402,7 @@ def _record_block(self, g, x, args):
         if info is _NOT_RAGGED:
             info = rkey = None
     if info is None:
-        key = ("blk", id(self), self._jb_token, fkey,
-               tuple([(m[0], m[1]) for m in mc]), mc[0][2], mode)
+        key = ("blk", id(self), self._jb_token, fkey, tuple(mc), mode)
         info = TABLE.get(key)
         if info is None:
             info = _block_info(self, allargs, flat, fmt, mc, mode, key, rkey)
@@ -522,6 +518,8 @@ def install():
     _set(Block, "hybridize", _make_hybridize(_orig_block_hybridize))
     _set(HybridBlock, "hybridize", _make_hybridize(_orig_hybrid_hybridize))
     _set(_register, "_imperative_invoke", _invoke)
+    if not _ROWS_OPS:
+        _init_rows_ops()
 
 
 def uninstall():
