@@ -19,6 +19,13 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     if graph.executing or not graph.nodes:
         return
     nodes = graph.take()
+    try:
+        _flush(graph, nodes, backend, policy, budget, forced, reason)
+    finally:
+        graph.done()
+
+
+def _flush(graph, nodes, backend, policy, budget, forced, reason):
     t0 = time.perf_counter()
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
     if policy == "auto":

@@ -1,5 +1,8 @@
 """The lazy graph: nodes recorded per sample, one pending graph per thread."""
+import gc
 import threading
+
+from . import config
 
 from .errors import StaleValueError
 
@@ -19,7 +22,7 @@ class Node(object):
     site for error messages. After execution ``batch`` holds the launch's
     outputs (flat batched arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
-                 "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait")
+                 "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait", "height")
 
     def __init__(self, info, inputs, depth, site, mode, graph, seq, rows=None):
         self.info = info
@@ -38,6 +41,7 @@ class Node(object):
         self.off = 0        # first row of a ragged node in its batch's outputs
         self.users = None   # pending nodes that read this one (one entry per read)
         self.wait = 0       # reads of pending producers (scheduling counts them down)
+        self.height = 1     # longest path to a sink (computed by the agenda)
 
     @property
     def done(self):
@@ -118,6 +122,8 @@ class Graph(object):
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
 
     def add(self, info, inputs, site, mode, rows=None):
+        if not self.nodes and config.defer_gc and getattr(_local, "graph", None) is self:
+            gc_pause(self)
         n = Node(info, inputs, 1, site, mode, self, self.seq, rows)
         d = 0
         for x in inputs:
@@ -147,6 +153,10 @@ class Graph(object):
         nodes, self.nodes = self.nodes, []
         return nodes
 
+    def done(self):
+        """The flush is over: release this graph's pause of the GC."""
+        gc_resume(self)
+
     def check_thread(self):
         if threading.get_ident() != self.thread:
             raise StaleValueError(
@@ -154,6 +164,42 @@ class Graph(object):
                 "are per thread. Fix: read the value (e.g. .asnumpy()) or call "
                 "jitbatch.flush() in the recording thread before handing it over."
                 % (self.thread, threading.get_ident()))
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = {}        # id of a graph holding the GC paused -> its thread
+_gc_was_enabled = [False]
+
+
+def _drop_dead_threads():
+    """A thread that ended with a pending graph must not keep the GC paused."""
+    if _gc_pausers:
+        alive = {t.ident for t in threading.enumerate()}
+        for k in [k for k, t in _gc_pausers.items() if t not in alive]:
+            del _gc_pausers[k]
+        if not _gc_pausers and _gc_was_enabled[0]:
+            gc.enable()
+
+
+def gc_pause(graph):
+    with _gc_lock:
+        _drop_dead_threads()
+        if not _gc_pausers:
+            _gc_was_enabled[0] = gc.isenabled()
+            if not _gc_was_enabled[0]:
+                return      # the user turned it off: not ours to manage
+            gc.disable()
+        elif not _gc_was_enabled[0]:
+            return
+        _gc_pausers[id(graph)] = graph.thread
+
+
+def gc_resume(graph):
+    with _gc_lock:
+        _gc_pausers.pop(id(graph), None)
+        _drop_dead_threads()
+        if not _gc_pausers and _gc_was_enabled[0] and not gc.isenabled():
+            gc.enable()
 
 
 _local = threading.local()

@@ -39,19 +39,17 @@ def by_agenda(nodes):
     merges with its peers from longer samples). All ready nodes of the chosen
     signature form one batch. Uses the producer counts and user lists kept at
     record time."""
-    height = {}
     for n in reversed(nodes):
         h = 1
-        if n.users:
-            for u in n.users:
-                hu = height[id(u)]
-                if hu >= h:
-                    h = hu + 1
-        height[id(n)] = h
-    top = max(height.values()) if height else 0
-    wait = {}
+        users = n.users
+        if users:
+            for u in users:
+                if u.height >= h:
+                    h = u.height + 1
+        n.height = h
+    top = max(n.height for n in nodes) if nodes else 0
     ready = {}        # sig id -> ready nodes
-    level_sum = {}    # sig id -> sum of their levels
+    level_sum = {}    # sig id -> sum of their as-late-as-possible levels
     left = {}         # sig id -> nodes not yet run
     for n in nodes:
         sid = n.info.id
@@ -60,12 +58,10 @@ def by_agenda(nodes):
             r = ready.get(sid)
             if r is None:
                 ready[sid] = [n]
-                level_sum[sid] = top - height[id(n)]
+                level_sum[sid] = top - n.height
             else:
                 r.append(n)
-                level_sum[sid] += top - height[id(n)]
-        else:
-            wait[id(n)] = n.wait
+                level_sum[sid] += top - n.height
     out = []
     while ready:
         best = min(ready, key=lambda s: (len(ready[s]) < left[s],
@@ -75,20 +71,19 @@ def by_agenda(nodes):
         left[best] -= len(batch)
         out.extend(_split_unbatchable(batch))
         for n in batch:
-            if n.users:
-                for u in n.users:
-                    k = id(u)
-                    w = wait[k] - 1
-                    wait[k] = w
-                    if w == 0:
+            users = n.users
+            if users:
+                for u in users:
+                    u.wait -= 1       # consumed: a flush schedules each node once
+                    if u.wait == 0:
                         sid = u.info.id
                         r = ready.get(sid)
                         if r is None:
                             ready[sid] = [u]
-                            level_sum[sid] = top - height[k]
+                            level_sum[sid] = top - u.height
                         else:
                             r.append(u)
-                            level_sum[sid] += top - height[k]
+                            level_sum[sid] += top - u.height
     if sum(len(b) for b in out) != len(nodes):
         raise AssertionError("agenda scheduling lost nodes (a cycle in the graph?)")
     return out

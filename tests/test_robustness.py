@@ -122,3 +122,37 @@ def test_resident_memory_stays_flat_over_many_minibatches():
             marks.append(_rss_mb())
     assert marks[1] - marks[0] < 20, marks   # MB over 300 minibatches after warm-up
     assert len(jitbatch.gluon.TABLE) < 100
+
+
+def test_gc_is_paused_while_pending_and_restored_after_flush_or_failure():
+    import gc
+    jitbatch.flush()
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    net(nd.ones((1, 2))).asnumpy()   # releases pauses of threads that ended pending
+    assert gc.isenabled()
+    y = net(nd.ones((1, 2)))
+    assert not gc.isenabled()              # a graph is pending
+    y.asnumpy()
+    assert gc.isenabled()                  # restored by the flush
+    net._call_cached_op = lambda *a: 1 / 0
+    ys = net(nd.ones((1, 2)))
+    with pytest.raises(jitbatch.ExecutionError):
+        ys.asnumpy()
+    del net._call_cached_op
+    assert gc.isenabled()                  # and by a failed one
+    gc.disable()
+    try:                                   # a user's own choice is left alone
+        net(nd.ones((1, 2))).asnumpy()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    old = jitbatch.config.defer_gc
+    jitbatch.config.defer_gc = False
+    try:
+        z = net(nd.ones((1, 2)))
+        assert gc.isenabled()
+        z.asnumpy()
+    finally:
+        jitbatch.config.defer_gc = old

@@ -53,10 +53,12 @@ def mode_scope(mode):
 
 def _segments(v, sizes, out):
     """Append the segments of one value (a composite brings its parts' rows)."""
-    node = v._node if type(v) is LazyArray else None
-    if node is not None and type(node) is Composite:
-        for part in node.parts:
-            _segments(part, sizes, out)
+    if type(v) is LazyArray and type(v._node) is Composite:
+        for part in v._node.parts:
+            if type(part) is LazyArray and type(part._node) is Composite:
+                _segments(part, sizes, out)
+            else:
+                out.append(_segment(part, sizes))
     else:
         out.append(_segment(v, sizes))
 
@@ -111,7 +113,8 @@ def plan_gather(values, shape, index, sizes):
     for v in values:
         _segments(v, sizes, segs)
     if shape[0] is None:   # ragged: each sample brings its own leading length
-        want = (sum(v.shape[0] for v in values),) + tuple(shape[1:])
+        want = (sum(v._shape[0] if type(v) is LazyArray else sizes[id(v)][0]
+                    for v in values),) + tuple(shape[1:])
     else:
         want = flat_shape(shape, n)
     rs = segs[0][4]
@@ -129,7 +132,10 @@ def plan_gather(values, shape, index, sizes):
             return Plan(kind, [segs[0][1]], start, pos, want)
         a = len(index)
         for s in segs:
-            index.extend(range(s[2], s[2] + s[3]))
+            if s[3] == 1:
+                index.append(s[2])
+            else:
+                index.extend(range(s[2], s[2] + s[3]))
         return Plan("take", [segs[0][1]], a, len(index), want)
     srcs, offsets, off = [], {}, 0
     for s in segs:
@@ -142,7 +148,10 @@ def plan_gather(values, shape, index, sizes):
     a = len(index)
     for s in segs:
         base = offsets[s[0]] + s[2]
-        index.extend(range(base, base + s[3]))
+        if s[3] == 1:
+            index.append(base)
+        else:
+            index.extend(range(base, base + s[3]))
     return Plan("concat_take", srcs, a, len(index), want)
 
 
