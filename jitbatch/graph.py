@@ -157,6 +157,30 @@ class Graph(object):
         """The flush is over: release this graph's pause of the GC."""
         gc_resume(self)
 
+    def discard_since(self, mark, error):
+        """Drop the nodes recorded after the first ``mark`` ones (a user call that
+        raised while recording): they are marked failed with ``error`` and
+        unlinked from their producers, so the next flush runs only the rest."""
+        dropped = self.nodes[mark:]
+        if not dropped:
+            return 0
+        del self.nodes[mark:]
+        gone = set(map(id, dropped))
+        for n in dropped:
+            n.error = error
+            for x in n.inputs:
+                if isinstance(x, Ref):
+                    ps = []
+                    _producers(x, ps)
+                    for p in ps:
+                        if p.users and id(p) not in gone:
+                            p.users = [u for u in p.users if id(u) not in gone] or None
+            n.inputs = ()
+            n.users = None
+        if not self.nodes:
+            gc_resume(self)
+        return len(dropped)
+
     def check_thread(self):
         if threading.get_ident() != self.thread:
             raise StaleValueError(

@@ -110,7 +110,7 @@ def plot(path, budgets, pps, frac, chose, hand_pps):
     ax2.set_xticks(xs)
     ax2.set_xticklabels(labels)
     ax2.minorticks_off()
-    ax2.set_xlabel("analysis_budget (fraction of predicted execution time)")
+    ax2.set_xlabel("analysis_budget (fraction of predicted unbatched execution time)")
     fig.suptitle("Tree-LSTM training: jitbatch analysis budget sweep")
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))

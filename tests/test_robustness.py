@@ -156,3 +156,41 @@ def test_gc_is_paused_while_pending_and_restored_after_flush_or_failure():
         z.asnumpy()
     finally:
         jitbatch.config.defer_gc = old
+
+
+class Flaky(gluon.Block):
+    """Per-sample code that fails half-way for some samples."""
+
+    def __init__(self, **kw):
+        super(Flaky, self).__init__(**kw)
+        with self.name_scope():
+            self.d = nn.Dense(2, in_units=2)
+        self.leaked = []
+
+    def forward(self, x, fail):
+        y = self.d(x)
+        z = self.d(y)
+        self.leaked.append(z)
+        if fail:
+            raise ValueError("bad sample")
+        return self.d(z)
+
+
+def test_exception_in_user_code_mid_recording_leaves_nothing_pending():
+    net = Flaky()
+    net.initialize()
+    xs = [nd.array([[i, 1.0]]) for i in range(3)]
+    net.hybridize(active=False)
+    want = [net(x, False).asnumpy() for x in xs]
+    net.hybridize(dynamic_batch=True)
+    good = net(xs[0], False)                       # recorded before the failure: kept
+    n_before = len(jitbatch.current_graph().nodes)
+    with pytest.raises(ValueError, match="bad sample"):
+        net(xs[1], True)
+    assert len(jitbatch.current_graph().nodes) == n_before
+    with pytest.raises(jitbatch.StaleValueError, match="ValueError: bad sample"):
+        net.leaked[-1].asnumpy()                   # a lazy array of the failed call
+    assert np.allclose(good.asnumpy(), want[0])
+    ys = [net(x, False) for x in xs]               # the next minibatch is correct
+    for y, w in zip(ys, want):
+        assert np.allclose(y.asnumpy(), w)

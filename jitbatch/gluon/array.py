@@ -85,8 +85,9 @@ class LazyArray(NDArray, Ref):
         if node.batch is None:
             if node.error is not None:
                 raise StaleValueError(
-                    "this lazy array (%s, recorded at %s) belongs to a graph whose "
-                    "execution failed: %s: %s. Record the sample again."
+                    "this lazy array (%s, recorded at %s) belongs to a graph that "
+                    "failed (while recording or executing): %s: %s. Record the sample "
+                    "again."
                     % (node.info.name, node.site or "?", type(node.error).__name__,
                        node.error)) from node.error
             backend.force(node)

@@ -31,6 +31,7 @@ _orig_forward = HybridBlock.forward
 _orig_block_hybridize = Block.hybridize
 _orig_hybrid_hybridize = HybridBlock.hybridize
 _orig_clear = HybridBlock._clear_cached_op  # pylint: disable=protected-access
+_orig_call = Block.__call__
 _SKIP = ("/mxnet/", "/jitbatch/gluon/", "/jitbatch/graph", "/contextlib")
 
 
@@ -440,6 +441,22 @@ def _forward(self, x, *args):
     return _orig_forward(self, x, *args)
 
 
+def _call(self, *args):
+    """A flagged block's call: if user code raises while recording, the nodes
+    this call recorded are dropped (and their lazy arrays fail loudly when read),
+    so the next minibatch starts clean."""
+    if self._jb_cfg is None:
+        return _orig_call(self, *args)
+    g = current_graph()
+    mark = len(g.nodes)
+    try:
+        return _orig_call(self, *args)
+    except BaseException as e:
+        if not g.executing and g.discard_since(mark, e):
+            STATS.add(failures=1)
+        raise
+
+
 _FLAT_IN = {n: [0] * n for n in range(1, 16)}
 _FLAT = {n: [0] * n for n in range(1, 16)}
 _FLAT[1] = 0
@@ -485,8 +502,7 @@ def _make_hybridize(orig):
                 _tls.inside = False
         if outer:
             def setcfg(b):
-                if isinstance(b, HybridBlock):
-                    b._jb_cfg = cfg
+                b._jb_cfg = cfg
             self.apply(setcfg)
     hybridize.__doc__ = orig.__doc__
     hybridize.__wrapped__ = orig
@@ -511,7 +527,8 @@ def install():
     """Install the hooks (idempotent)."""
     if _patches:
         return
-    _set(HybridBlock, "_jb_cfg", None)
+    _set(Block, "_jb_cfg", None)
+    _set(Block, "__call__", _call)
     _set(HybridBlock, "_jb_token", None)
     _set(HybridBlock, "forward", _forward)
     _set(HybridBlock, "_clear_cached_op", _clear)
