@@ -57,7 +57,7 @@ def is_lazy(x):
 
 
 try:  # the framework layer after the core; the core alone works without MXNet
-    import mxnet as _mx  # noqa: F401
+    import mxnet  # noqa: F401  (is the framework there?)
 except ImportError:  # pragma: no cover - exercised by tests/test_core_pure.py
     LazyArray = None
 else:

@@ -47,10 +47,6 @@ class SignatureTable(object):
             self.evictions += 1
         return info
 
-    def discard_if(self, pred):
-        for k in [k for k, v in self._table.items() if pred(v)]:
-            del self._table[k]
-
     def __len__(self):
         return len(self._table)
 

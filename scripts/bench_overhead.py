@@ -19,8 +19,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import numpy as np  # noqa: E402
-import mxnet as mx  # noqa: E402
-from mxnet import autograd, gluon, nd  # noqa: E402
+from mxnet import gluon, nd  # noqa: E402
 
 import jitbatch  # noqa: E402
 from bench_core import Runner, ensure_full_data, load_pairs  # noqa: E402

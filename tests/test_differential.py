@@ -5,7 +5,6 @@ import zlib
 import numpy as np
 import pytest
 
-import jitbatch
 from harness import check_model
 from models import MODELS
 

@@ -8,7 +8,6 @@ CI runs a modest number of examples; set JITBATCH_EXAMPLES=10000 for a long run.
 import os
 
 import numpy as np
-import pytest
 import mxnet as mx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -10,7 +10,6 @@ import threading
 import numpy as np
 from mxnet import autograd
 from mxnet import ndarray as nd
-from mxnet.ndarray import NDArray
 
 from .. import execute
 from ..graph import Composite
@@ -41,6 +40,15 @@ def flat_shape(shape, n):
 
 def rows_of(shape):
     return shape[0] if shape else 1
+
+
+def extent(node, k):
+    """(first row, rows, rows of the whole launch output) of one node's output k
+    within its batch's flat output."""
+    if node.rows is None:
+        b = rows_of(node.info.out_meta[k][0])
+        return node.row * b, b, node.group.size * b
+    return node.off, node.rows, node.group.rows
 
 
 LazyArray = None  # set by .array (import cycle)
@@ -76,14 +84,7 @@ def _segment(v, sizes):
         return id(arr), arr, 0, shp[0], shp[1:], shp[0]
     src_shape = node.info.out_meta[v._k][0]
     grp = node.group
-    if node.rows is None:
-        b = src_shape[0] if src_shape else 1
-        base = node.row * b
-        full = grp.size * b
-    else:
-        b = node.rows
-        base = node.off
-        full = grp.rows
+    base, b, full = extent(node, v._k)
     view = v._view
     key = (id(grp), v._k)
     if view is None:
@@ -236,13 +237,7 @@ def row_value(v):
     if type(node) is Composite:
         return v.value()
     src = node.batch[v._k]
-    if node.rows is None:
-        b = rows_of(node.info.out_meta[v._k][0])
-        start = node.row * b
-    else:
-        b = node.rows
-        start = node.off
-    count = b
+    start, count, _ = extent(node, v._k)
     if v._view is not None:
         start += v._view[0]
         count = v._view[1]
@@ -292,7 +287,3 @@ def force(node):
             raise StaleValueError("the graph of this lazy array failed: %s" % node.error) from node.error
         raise StaleValueError("this lazy array was not computed by its graph's flush "
                               "(it was recorded while that graph was executing)")
-
-
-def is_ndarray(x):
-    return isinstance(x, NDArray)

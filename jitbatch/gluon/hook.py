@@ -6,8 +6,6 @@ import threading
 import numpy as np
 
 from mxnet import autograd
-from mxnet import ndarray as nd
-from mxnet.gluon import block as _block
 from mxnet.gluon.block import Block, HybridBlock, _flatten, _regroup
 from mxnet.ndarray import NDArray
 from mxnet.ndarray import register as _register
