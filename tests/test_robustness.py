@@ -194,3 +194,21 @@ def test_exception_in_user_code_mid_recording_leaves_nothing_pending():
     ys = [net(x, False) for x in xs]               # the next minibatch is correct
     for y, w in zip(ys, want):
         assert np.allclose(y.asnumpy(), w)
+
+
+def test_exception_in_backward_leaves_jitbatch_usable():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    x = nd.ones((1, 2))
+    with autograd.record():
+        loss = nd.sum(net(x))
+    loss.backward()
+    g1 = net.weight.grad().asnumpy().copy()
+    with pytest.raises(mx.base.MXNetError, match="retain_graph"):
+        loss.backward()                      # the graph was freed: MXNet refuses
+    assert jitbatch.current_graph().nodes == []
+    with autograd.record():
+        loss2 = nd.sum(net(x))
+    loss2.backward()
+    assert np.allclose(net.weight.grad().asnumpy(), g1)
