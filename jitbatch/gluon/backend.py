@@ -144,7 +144,8 @@ def plan_gather(values, shape, index, sizes):
             offsets[s[0]] = off
             srcs.append(s[1])
             off += s[5]
-    if len(srcs) == n and all(s[2] == 0 and s[3] == s[5] for s in segs):
+    if len(srcs) == len(segs) and all(s[2] == 0 and s[3] == s[5] for s in segs):
+        # each segment is a whole source, used once, in order
         return Plan("concat", srcs, 0, 0, want)
     a = len(index)
     for s in segs:
