@@ -4,8 +4,9 @@ Everything is measured as jitbatch runs, nothing is a constant tuned to one
 machine (the starting values are only priors, replaced by the first
 measurements):
 
-* per signature, the mean seconds of one launch (``SigInfo.launch_cost`` /
-  ``launches``, timed around each launch: gathers, the call, bookkeeping);
+* per signature, launch time as a function of its rows: a least-squares line
+  ``a + b * rows`` over every launch so far (timed around each launch: gathers,
+  the call, bookkeeping), the mean per launch until rows have varied;
 * per policy, analysis seconds per node (scheduling and gather planning);
 * how many launches the agenda saves over depth grouping, learned from every
   flush that ran the agenda (depth groups are counted on every flush: O(N)).
@@ -45,17 +46,31 @@ class Model(object):
                                              launches / depth_groups)
         self.observed += 1
 
-    def launch_cost(self, info):
-        return info.launch_cost / info.launches if info.launches else self.launch
+    def launch_cost(self, info, rows=1):
+        """Predicted seconds of one launch of ``info`` over ``rows`` nodes."""
+        n = info.launches
+        if not n:
+            return self.launch
+        sr, sc = info.launch_rows, info.launch_cost
+        den = n * info.launch_rr - sr * sr
+        if n < 3 or den <= 0:
+            return sc / n
+        b = max((n * info.launch_cr - sc * sr) / den, 0.0)
+        a = max((sc - b * sr) / n, 0.0)
+        return a + b * rows
 
     @staticmethod
     def depth_groups(nodes):
-        """{(depth, signature id): first node} - the launches of depth grouping."""
+        """{(depth, signature id): [first node, node count]} - the launches of
+        depth grouping and their sizes."""
         groups = {}
         for n in nodes:
             k = (n.depth, n.info.id)
-            if k not in groups:
-                groups[k] = n
+            g = groups.get(k)
+            if g is None:
+                groups[k] = [n, 1]
+            else:
+                g[1] += 1
         return groups
 
     def choose(self, nodes, budget):
@@ -65,8 +80,8 @@ class Model(object):
         if n <= 1 or len(groups) == n:
             return "sequential", "no two nodes can run together: nothing to merge", {}, len(groups)
         lc = self.launch_cost
-        exec_seq = sum(lc(x.info) for x in nodes)
-        exec_depth = sum(lc(x.info) for x in groups.values())
+        exec_seq = sum(lc(x.info, 1) for x in nodes)
+        exec_depth = sum(lc(g[0].info, g[1]) for g in groups.values())
         pred = {
             "sequential": (self.analysis["sequential"] * n, exec_seq),
             "depth": (self.analysis["depth"] * n, exec_depth),

@@ -52,10 +52,14 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
         for batch in batches:
             ts = clock()
             backend.launch(batch)
+            dt = clock() - ts
             info = batch[0].info
-            info.launch_cost += clock() - ts
+            rows = len(batch)
+            info.launch_cost += dt
             info.launches += 1
-            info.launch_rows += len(batch)
+            info.launch_rows += rows
+            info.launch_rr += rows * rows
+            info.launch_cr += dt * rows
             done += 1
     except BaseException as e:
         for n in nodes:

@@ -9,7 +9,7 @@ class SigInfo(object):
     ``(shape, dtype)`` per output (per-sample shapes); ``batchable`` False means
     nodes run one launch each (no batching rule)."""
     __slots__ = ("id", "key", "op", "out_meta", "batchable", "name", "launch_cost",
-                 "launch_rows", "launches")
+                 "launch_rows", "launches", "launch_rr", "launch_cr")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
         self.id = sid
@@ -21,6 +21,8 @@ class SigInfo(object):
         self.launch_cost = 0.0   # measured seconds, summed
         self.launch_rows = 0     # nodes run through those launches
         self.launches = 0
+        self.launch_rr = 0       # sum of rows^2 and of seconds*rows: a least-squares
+        self.launch_cr = 0.0     # line of launch time against rows (cost.Model)
 
 
 class SignatureTable(object):

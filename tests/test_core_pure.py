@@ -124,3 +124,18 @@ def test_budget_steers_auto():
     # analysis measured as very expensive for the agenda: auto stops using it
     m.analysis["agenda"] = 1.0
     assert m.choose(nodes, None)[0] == "depth"
+
+
+def test_launch_cost_is_a_line_in_rows():
+    info = SigInfo(0, "k", None, (), True, "op")
+    m = cost.Model()
+    assert m.launch_cost(info, 10) == m.launch          # nothing measured: the prior
+    for rows in (1, 2, 4, 8):                           # measured 1 ms + 0.1 ms per row
+        dt = 1e-3 + 1e-4 * rows
+        info.launches += 1
+        info.launch_cost += dt
+        info.launch_rows += rows
+        info.launch_rr += rows * rows
+        info.launch_cr += dt * rows
+    assert abs(m.launch_cost(info, 20) - 3e-3) < 1e-9
+    assert abs(m.launch_cost(info, 1) - 1.1e-3) < 1e-9
