@@ -51,17 +51,21 @@ def by_agenda(nodes):
     ready = {}        # sig id -> ready nodes
     level_sum = {}    # sig id -> sum of their as-late-as-possible levels
     left = {}         # sig id -> nodes not yet run
+
+    def make_ready(n):
+        sid = n.info.id
+        r = ready.get(sid)
+        if r is None:
+            ready[sid] = [n]
+            level_sum[sid] = top - n.height
+        else:
+            r.append(n)
+            level_sum[sid] += top - n.height
     for n in nodes:
         sid = n.info.id
         left[sid] = left.get(sid, 0) + 1
         if n.wait == 0:
-            r = ready.get(sid)
-            if r is None:
-                ready[sid] = [n]
-                level_sum[sid] = top - n.height
-            else:
-                r.append(n)
-                level_sum[sid] += top - n.height
+            make_ready(n)
     out = []
     while ready:
         best = min(ready, key=lambda s: (len(ready[s]) < left[s],
@@ -76,14 +80,7 @@ def by_agenda(nodes):
                 for u in users:
                     u.wait -= 1       # consumed: a flush schedules each node once
                     if u.wait == 0:
-                        sid = u.info.id
-                        r = ready.get(sid)
-                        if r is None:
-                            ready[sid] = [u]
-                            level_sum[sid] = top - u.height
-                        else:
-                            r.append(u)
-                            level_sum[sid] += top - u.height
+                        make_ready(u)
     if sum(len(b) for b in out) != len(nodes):
         raise AssertionError("agenda scheduling lost nodes (a cycle in the graph?)")
     return out

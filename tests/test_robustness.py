@@ -52,7 +52,8 @@ def test_two_threads_train_two_models_at_once():
         assert np.allclose(got, want, rtol=1e-4)
 
 
-def test_lazy_array_from_another_thread_is_refused():
+def _pending_from_another_thread():
+    """A lazy array recorded (and left pending) by a thread that has ended."""
     net = nn.Dense(2, in_units=2)
     net.initialize()
     net.hybridize(dynamic_batch=True)
@@ -60,22 +61,21 @@ def test_lazy_array_from_another_thread_is_refused():
     t = threading.Thread(target=lambda: box.setdefault("y", net(nd.ones((1, 2)))))
     t.start()
     t.join()
+    return box["y"]
+
+
+def test_lazy_array_from_another_thread_is_refused():
+    y = _pending_from_another_thread()
     with pytest.raises(jitbatch.StaleValueError, match=r"recorded in thread \d+ was used in thread"):
-        box["y"].asnumpy()
+        y.asnumpy()
 
 
 def test_pending_array_after_uninstall_in_another_thread():
-    net = nn.Dense(2, in_units=2)
-    net.initialize()
-    net.hybridize(dynamic_batch=True)
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("y", net(nd.ones((1, 2)))))
-    t.start()
-    t.join()
+    y = _pending_from_another_thread()
     jitbatch.uninstall()
     try:
         with pytest.raises(jitbatch.StaleValueError, match=r"still pending when jitbatch.uninstall\(\) ran"):
-            box["y"].asnumpy()
+            y.asnumpy()
     finally:
         jitbatch.install()
 
