@@ -392,19 +392,10 @@ def _record_block(self, g, x, args):
     mode = (autograd.is_recording(), autograd.is_training())
     fkey = len(flat) if t is None else str(fmt)
     lead = mc[0][0][0] if mc[0][0] else None
-    rkey = None
-    info = None
-    if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
-        rkey = ("rag", id(self), self._jb_token, fkey,
-                tuple([(m[0][1:], m[1]) for m in mc]), mc[0][2], mode)
-        info = TABLE.get(rkey)
-        if info is _NOT_RAGGED:
-            info = rkey = None
+    key = ("blk", id(self), self._jb_token, fkey, tuple(mc), mode)
+    info = _EXACT.get(key)     # this exact call seen before: its signature, ragged or not
     if info is None:
-        key = ("blk", id(self), self._jb_token, fkey, tuple(mc), mode)
-        info = TABLE.get(key)
-        if info is None:
-            info = _block_info(self, allargs, flat, fmt, mc, mode, key, rkey)
+        info = _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key)
     if not g.nodes:
         cfg = self._jb_cfg
         g.policy, g.budget = cfg.policy, cfg.budget
@@ -421,6 +412,28 @@ def _record_block(self, g, x, args):
     if fmt == _FLAT.get(len(outs)):
         return outs if len(outs) > 1 else outs[0]
     return _regroup(outs, fmt)
+
+
+_EXACT = {}   # exact call key -> SigInfo (bounded; skips the ragged key's rebuild)
+
+
+def _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key):
+    rkey = None
+    info = None
+    if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
+        rkey = ("rag", id(self), self._jb_token, fkey,
+                tuple([(m[0][1:], m[1]) for m in mc]), mc[0][2], mode)
+        info = TABLE.get(rkey)
+        if info is _NOT_RAGGED:
+            info = rkey = None
+    if info is None:
+        info = TABLE.get(key)
+        if info is None:
+            info = _block_info(self, allargs, flat, fmt, mc, mode, key, rkey)
+    if len(_EXACT) >= TABLE.limit:
+        _EXACT.clear()
+    _EXACT[key] = info
+    return info
 
 
 def _forward(self, x, *args):
@@ -551,3 +564,4 @@ def uninstall():
         else:
             setattr(owner, name, orig)
     TABLE.clear()   # block instances keep inert _jb_cfg/_jb_token attributes
+    _EXACT.clear()
