@@ -344,3 +344,14 @@ def test_row_stacks_and_axis0_concats_are_virtual():
         return out.asnumpy(), x0.grad.asnumpy().copy()
     (o1, g1), (o2, g2) = head_of_stack(False), head_of_stack(True)
     assert np.allclose(o2, o1) and np.allclose(g2, g1)
+
+
+def test_mixed_contexts_in_an_operator_call_are_caught_every_time():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    y = net(nd.ones((1, 2)))
+    y + nd.ones((1, 2))                         # the signature is seen first on one context
+    with pytest.raises(jitbatch.BatchingError, match=r"operator broadcast_\w+: argument 1 is on cpu\(1\)"):
+        y + nd.ones((1, 2), ctx=mx.cpu(1))
+    jitbatch.flush()

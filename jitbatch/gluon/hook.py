@@ -204,11 +204,13 @@ def _record_op(g, handle, ndargs, keys, vals, output_is_list):
         hash(vkey)
     except TypeError:
         vkey = tuple(str(v) for v in vals)
-    metas = tuple((m[0], m[1]) for m in mc)
     ctx = mc[0][2]
-    key = ("op", handle, tuple(keys), vkey, metas, ctx, mode, output_is_list)
+    # every argument's context is in the key (as for blocks), so a call mixing
+    # contexts never reuses a signature whose first call passed the check
+    key = ("op", handle, tuple(keys), vkey, tuple(mc), mode, output_is_list)
     info = TABLE.get(key)
     if info is None:
+        metas = tuple((m[0], m[1]) for m in mc)
         name = op_name(handle)
         ctx = _check_ctx(mc, "operator %s" % name)
         out_meta = infer_outputs(_orig_invoke, handle, metas, list(keys), list(vals), ctx)
