@@ -26,7 +26,6 @@ class Model(object):
         self.analysis = {"depth": 3e-6, "agenda": 8e-6, "sequential": 1e-7}
         self.launch = 3e-4           # mean seconds per launch, all signatures
         self.agenda_ratio = 0.7      # agenda launches / depth groups
-        self.observed = 0
         self._measured = set()       # which priors a measurement has replaced
 
     def _update(self, name, old, new):
@@ -44,7 +43,6 @@ class Model(object):
         if policy == "agenda" and depth_groups:
             self.agenda_ratio = self._update("ratio", self.agenda_ratio,
                                              launches / depth_groups)
-        self.observed += 1
 
     def launch_cost(self, info, rows=1):
         """Predicted seconds of one launch of ``info`` over ``rows`` nodes."""

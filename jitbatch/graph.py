@@ -43,10 +43,6 @@ class Node(object):
         self.wait = 0       # reads of pending producers (scheduling counts them down)
         self.height = 1     # longest path to a sink (computed by the agenda)
 
-    @property
-    def done(self):
-        return self.batch is not None
-
     def __repr__(self):
         state = "done" if self.batch is not None else ("failed" if self.error else "pending")
         return "<Node #%d %s depth=%d %s>" % (self.seq, self.info.name, self.depth, state)

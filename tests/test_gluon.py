@@ -181,6 +181,13 @@ def test_flag_reaches_all_descendants_and_turns_off():
     assert all(b._jb_cfg is None for b in (net.a, net.b, net.c))
 
 
+class Two(HybridBlock):
+    """Adds its two arguments."""
+
+    def hybrid_forward(self, F, a, b):
+        return a + b
+
+
 class SumRows(HybridBlock):
     def hybrid_forward(self, F, x):
         return F.sum(x, axis=0, keepdims=True)
@@ -198,9 +205,6 @@ def test_mixed_contexts_in_one_call():
     net = nn.Dense(2, in_units=2)
     net.initialize()
 
-    class Two(HybridBlock):
-        def hybrid_forward(self, F, a, b):
-            return a + b
     two = Two()
     two.hybridize(dynamic_batch=True)
     with pytest.raises(jitbatch.BatchingError, match=r"argument 1 is on cpu\(1\).*as_in_context"):
@@ -208,9 +212,6 @@ def test_mixed_contexts_in_one_call():
 
 
 def test_mixed_dtypes_in_one_call():
-    class Two(HybridBlock):
-        def hybrid_forward(self, F, a, b):
-            return a + b
     two = Two()
     two.hybridize(dynamic_batch=True)
     with pytest.raises(jitbatch.BatchingError, match=r"two\d+: argument 1 is float16 but argument 0 is float32.*astype\(.float32.\)"):
@@ -273,9 +274,6 @@ def test_uninstall_restores_mxnet_and_install_is_idempotent():
 
 
 def test_non_ndarray_argument_is_named():
-    class Two(HybridBlock):
-        def hybrid_forward(self, F, a, b):
-            return a + b
     two = Two()
     two.hybridize(dynamic_batch=True)
     with pytest.raises(jitbatch.BatchingError, match=r"block two\d+: .*numpy.ndarray.*mx.nd.array"):

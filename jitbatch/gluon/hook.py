@@ -217,7 +217,7 @@ def _record_op(g, handle, ndargs, keys, vals, output_is_list):
         rule = make_rule(name, list(keys), [str(v) for v in vals], [m[0] for m in metas],
                          [m[0] for m in out_meta])
         ex = OpExec(handle, name, rule, keys, [str(v) for v in vals], metas, out_meta,
-                    output_is_list, ctx, mode, _orig_invoke)
+                    ctx, mode, _orig_invoke)
         info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, rule is not None, name))
     node = g.add(info, tuple(ndargs), _site(), mode)
     outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]

@@ -182,9 +182,9 @@ def make_rule(name, keys, vals, in_shapes, out_shapes):
 class OpExec(object):
     """Runs the nodes of one operator signature."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "output_is_list", "ctx", "mode", "invoke", "checked")
+                 "in_meta", "out_meta", "ctx", "mode", "invoke", "checked")
 
-    def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, output_is_list, ctx,
+    def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx,
                  mode, invoke):
         self.handle = handle
         self.name = name
@@ -194,7 +194,6 @@ class OpExec(object):
         self.pads = rule[3] if rule else None
         self.in_meta = in_meta
         self.out_meta = out_meta
-        self.output_is_list = output_is_list
         self.ctx = ctx
         self.mode = mode
         self.invoke = invoke
