@@ -202,9 +202,6 @@ def test_unbatchable_shape_is_named():
 
 
 def test_mixed_contexts_in_one_call():
-    net = nn.Dense(2, in_units=2)
-    net.initialize()
-
     two = Two()
     two.hybridize(dynamic_batch=True)
     with pytest.raises(jitbatch.BatchingError, match=r"argument 1 is on cpu\(1\).*as_in_context"):
