@@ -86,13 +86,13 @@ class Composite(object):
 
 def _producers(x, out):
     """Pending producer nodes behind one input (through composites)."""
-    p = x._node
-    if type(p) is Composite:
-        for y in p.parts:
-            if isinstance(y, Ref):
+    for y in x._node.parts:
+        if isinstance(y, Ref):
+            p = y._node
+            if type(p) is Composite:
                 _producers(y, out)
-    elif p.batch is None:
-        out.append(p)
+            elif p.batch is None:
+                out.append(p)
 
 
 class Group(object):
@@ -122,6 +122,7 @@ class Graph(object):
             gc_pause(self)
         n = Node(info, inputs, 1, site, mode, self, self.seq, rows)
         d = 0
+        wait = 0
         for x in inputs:
             if isinstance(x, Ref):
                 p = x._node
@@ -132,13 +133,15 @@ class Graph(object):
                     ps = (p,)
                 for p in ps:
                     if p.batch is None and p.graph is self:
-                        n.wait += 1
-                        if p.users is None:
+                        wait += 1
+                        users = p.users
+                        if users is None:
                             p.users = [n]
                         else:
-                            p.users.append(n)
+                            users.append(n)
                         if p.depth > d:
                             d = p.depth
+        n.wait = wait
         n.depth = d + 1
         self.seq += 1
         self.nodes.append(n)
@@ -167,7 +170,10 @@ class Graph(object):
             for x in n.inputs:
                 if isinstance(x, Ref):
                     ps = []
-                    _producers(x, ps)
+                    if type(x._node) is Composite:
+                        _producers(x, ps)
+                    elif x._node.batch is None:
+                        ps.append(x._node)
                     for p in ps:
                         if p.users and id(p) not in gone:
                             p.users = [u for u in p.users if id(u) not in gone] or None

@@ -1,13 +1,18 @@
 """The only place that patches MXNet: the hybridize flag, block-call and operator
 interception. Every patch is recorded and reverted by ``uninstall()``."""
+import ctypes
 import sys
+from functools import wraps as _wraps
 import threading
 
 import numpy as np
 
 from mxnet import autograd
+from mxnet import ndarray as _ndmod
+from mxnet.base import _LIB
 from mxnet.gluon.block import Block, HybridBlock, _flatten, _regroup
 from mxnet.ndarray import NDArray
+from mxnet.util import is_np_array as _is_np_array
 from mxnet.ndarray import register as _register
 from mxnet.symbol import Symbol
 
@@ -47,6 +52,24 @@ class BatchConfig(object):
 
 def installed():
     return bool(_patches)
+
+
+_IS_REC = _LIB.MXAutogradIsRecording
+_IS_TRAIN = _LIB.MXAutogradIsTraining
+
+
+def _mode():
+    """``(autograd.is_recording(), autograd.is_training())`` at half the cost: both
+    C calls write into this thread's preallocated flags (asked on every record)."""
+    try:
+        r, t, br, bt = _tls.flags
+    except AttributeError:
+        r, t = ctypes.c_bool(), ctypes.c_bool()
+        br, bt = ctypes.byref(r), ctypes.byref(t)
+        _tls.flags = (r, t, br, bt)
+    if _IS_REC(br) or _IS_TRAIN(bt):
+        return (autograd.is_recording(), autograd.is_training())  # raises MXNet's error
+    return (r.value, t.value)
 
 
 _skip_file = {}
@@ -163,30 +186,57 @@ def _rows_composite(kind, handle, ndargs, keys, vals):
     """A stack along axis 1 of per-sample (1, ...) arrays, or a concat along
     axis 0, is only its inputs' rows side by side: a Composite, no node. Its
     consumers gather those rows directly (one take instead of a launch)."""
-    attrs = {}
+    at = None
     for k, v in zip(keys, vals):
         if k == "axis" or k == "dim":
-            attrs[k] = v
+            at = v
     mc = [_meta(a) for a in ndargs]
     s0, d0, c0 = mc[0]
-    if not s0 or any(m[1] != d0 or m[2] != c0 for m in mc):
+    if not s0:
         return None
+    for m in mc:
+        if (m[1] is not d0 and m[1] != d0) or (m[2] is not c0 and m[2] != c0):
+            return None
     if kind == "stack":
-        axis = int(attrs.get("axis", 0))
+        axis = int(at) if at is not None else 0
         if axis < 0:
             axis += len(s0) + 1
-        if axis != 1 or s0[0] != 1 or any(m[0] != s0 for m in mc):
+        if axis != 1 or s0[0] != 1:
             return None
-        shape = (1, len(ndargs)) + tuple(s0[1:])
+        for m in mc:
+            if m[0] != s0:
+                return None
+        shape = (1, len(ndargs)) + s0[1:]
     else:
-        dim = int(attrs.get("dim", 1))
+        dim = int(at) if at is not None else 1
         if dim < 0:
             dim += len(s0)
-        if dim != 0 or any(m[0][1:] != s0[1:] for m in mc):
+        rest = s0[1:]
+        if dim != 0 or any(m[0][1:] != rest for m in mc):
             return None
-        shape = (sum(m[0][0] for m in mc),) + tuple(s0[1:])
-    mode = (autograd.is_recording(), autograd.is_training())
-    return LazyArray(Composite(tuple(ndargs), (handle, keys, vals), mode), 0, shape, d0, c0)
+        shape = (sum(m[0][0] for m in mc),) + rest
+    return LazyArray(Composite(tuple(ndargs), (handle, keys, vals), _mode()), 0, shape, d0, c0)
+
+
+_STACK = {}   # 'handle', 'orig': MXNet's generated nd.stack and its operator
+
+
+def _stack(*data, **kwargs):
+    """``nd.stack`` that, when given lazy rows, makes their composite directly
+    (MXNet's generated wrapper and the operator hook cost more than the rest)."""
+    if data and (not kwargs or kwargs.keys() <= {"axis"}):
+        for a in data:
+            if type(a) is LazyArray:
+                if current_graph().executing or \
+                        not all(type(b) is LazyArray or type(b) is NDArray for b in data):
+                    break
+                axis = kwargs.get("axis", 0)
+                res = _rows_composite("stack", _STACK["handle"], data,
+                                      ("axis", "num_args"), (str(axis), str(len(data))))
+                if res is not None:
+                    return res
+                break
+    return _STACK["orig"](*data, **kwargs)
 
 
 def build_composite(comp):
@@ -198,7 +248,7 @@ def build_composite(comp):
 
 def _record_op(g, handle, ndargs, keys, vals, output_is_list):
     mc = [_meta(a) for a in ndargs]
-    mode = (autograd.is_recording(), autograd.is_training())
+    mode = _mode()
     vkey = tuple(vals)
     try:
         hash(vkey)
@@ -391,7 +441,7 @@ def _record_block(self, g, x, args):
                 raise BatchingError("block %s: argument of type %s; expected NDArray"
                                     % (self.name, type(a).__name__))
     mc = [_meta(a) for a in flat]
-    mode = (autograd.is_recording(), autograd.is_training())
+    mode = _mode()
     fkey = len(flat) if t is None else str(fmt)
     lead = mc[0][0][0] if mc[0][0] else None
     key = ("blk", id(self), self._jb_token, fkey, tuple(mc), mode)
@@ -463,6 +513,14 @@ def _call(self, *args):
     g = current_graph()
     mark = len(g.nodes)
     try:
+        if args and type(self).forward is _forward and self._active and \
+                not g.executing and not g.passthrough and not self._forward_hooks and \
+                not self._forward_pre_hooks and not _is_np_array():
+            # what Block.__call__ -> HybridBlock.forward would do here, minus two
+            # Python frames: record the call (None: symbols, run it as usual)
+            res = _record_block(self, g, args[0], args[1:])
+            if res is not None:
+                return res
         return _orig_call(self, *args)
     except BaseException as e:
         if not g.executing and g.discard_since(mark, e):
@@ -550,6 +608,12 @@ def install():
     _set(_register, "_imperative_invoke", _invoke)
     if not _ROWS_OPS:
         _init_rows_ops()
+    _STACK["orig"] = _ndmod.stack
+    _STACK["handle"] = next(h for h, k in _ROWS_OPS.items() if k == "stack")
+    stack = _wraps(_STACK["orig"])(_stack)
+    for mod in (_ndmod, _ndmod.op):
+        if getattr(mod, "stack", None) is _STACK["orig"]:
+            _set(mod, "stack", stack)
 
 
 def uninstall():
