@@ -59,11 +59,11 @@ class Model(object):
 
     @staticmethod
     def depth_groups(nodes):
-        """{(depth, signature id): [first node, node count]} - the launches of
+        """{(depth, signature): [first node, node count]} - the launches of
         depth grouping and their sizes."""
         groups = {}
         for n in nodes:
-            k = (n.depth, n.info.id)
+            k = (n.depth, n.info)
             g = groups.get(k)
             if g is None:
                 groups[k] = [n, 1]
@@ -78,8 +78,10 @@ class Model(object):
         if n <= 1 or len(groups) == n:
             return "sequential", "no two nodes can run together: nothing to merge", {}, len(groups)
         lc = self.launch_cost
-        exec_seq = sum(lc(x.info, 1) for x in nodes)
-        exec_depth = sum(lc(g[0].info, g[1]) for g in groups.values())
+        exec_seq = exec_depth = 0.0
+        for first, count in groups.values():
+            exec_seq += lc(first.info, 1) * count
+            exec_depth += lc(first.info, count)
         pred = {
             "sequential": (self.analysis["sequential"] * n, exec_seq),
             "depth": (self.analysis["depth"] * n, exec_depth),

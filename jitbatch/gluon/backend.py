@@ -5,11 +5,15 @@ Layout: a launch over N nodes keeps each output *flat*: per-sample shape
 owning rows ``i*b:(i+1)*b``. Inputs are gathered into that layout with as few
 framework ops as possible: the source array itself, one slice, one ``take``, or
 one ``concat`` (+ ``take``)."""
+import ctypes
 import threading
 
 import numpy as np
 from mxnet import autograd
 from mxnet import ndarray as nd
+from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint
+from mxnet.ndarray import NDArray
+from mxnet.ndarray import register as _register
 
 from .. import execute
 from ..graph import Composite
@@ -59,102 +63,173 @@ def mode_scope(mode):
     return autograd._RecordingStateScope(mode[0], mode[1])  # pylint: disable=protected-access
 
 
-def _segments(v, sizes, out):
-    """Append the segments of one value (a composite brings its parts' rows)."""
-    if type(v) is LazyArray and type(v._node) is Composite:
-        for part in v._node.parts:
-            if type(part) is LazyArray and type(part._node) is Composite:
-                _segments(part, sizes, out)
-            else:
-                out.append(_segment(part, sizes))
-    else:
-        out.append(_segment(v, sizes))
-
-
-def _segment(v, sizes):
-    """(source key, source, first row, row count, row shape, source rows) of one
-    per-sample value. ``source`` is a Group (resolved to its output at launch)
-    or a concrete array."""
-    node = v._node if type(v) is LazyArray else None
-    if node is None or node is DETACHED:
-        arr = v._value if node is DETACHED else v
-        shp = sizes.get(id(arr))
-        if shp is None:
-            shp = sizes[id(arr)] = arr.shape
-        return id(arr), arr, 0, shp[0], shp[1:], shp[0]
-    src_shape = node.info.out_meta[v._k][0]
-    grp = node.group
-    base, b, full = extent(node, v._k)
-    view = v._view
-    key = (id(grp), v._k)
-    if view is None:
-        return key, (grp, v._k), base, b, src_shape[1:], full
-    return key, (grp, v._k), base + view[0], view[1], src_shape[1:], full
+def _leaves(v, out):
+    """Append the values a composite is made of (through nested composites)."""
+    for part in v._node.parts:
+        if type(part) is LazyArray and type(part._node) is Composite:
+            _leaves(part, out)
+        else:
+            out.append(part)
 
 
 class Plan(object):
     """How one argument of one batch is gathered: ``kind`` is 'id' (the source
     as is), 'slice', 'take', 'concat', 'concat_take' or 'each' (per sample)."""
-    __slots__ = ("kind", "srcs", "start", "stop", "want", "values")
+    __slots__ = ("kind", "srcs", "start", "stop", "want", "values", "have")
 
-    def __init__(self, kind, srcs, start, stop, want, values=None):
+    def __init__(self, kind, srcs, start, stop, want, values=None, have=None):
         self.kind = kind
         self.srcs = srcs
         self.start = start
         self.stop = stop
         self.want = want
         self.values = values
+        self.have = have      # the gathered shape, when known without asking MXNet
 
 
 def plan_gather(values, shape, index, sizes):
     """Plan the gather of per-sample ``values`` (all of per-sample ``shape``) into
-    the flat layout; index lists are appended to ``index`` (one copy per flush)."""
-    n = len(values)
-    segs = []
+    the flat layout; index lists are appended to ``index`` (one copy per flush).
+
+    Every value (a composite: each of its parts) is a segment of rows of one
+    source: a launch's output (key ``(group, k)``) or a concrete array (key
+    ``id``). This runs once per row of every launch's inputs, so it is written
+    as one flat loop."""
+    leaves = []
     for v in values:
-        _segments(v, sizes, segs)
-    if shape[0] is None:   # ragged: each sample brings its own leading length
-        want = (sum(v._shape[0] if type(v) is LazyArray else sizes[id(v)][0]
-                    for v in values),) + tuple(shape[1:])
-    else:
-        want = flat_shape(shape, n)
-    rs = segs[0][4]
-    if any(s[4] != rs for s in segs):
-        return Plan("each", None, 0, 0, want, list(values))
-    key0 = segs[0][0]
-    if all(s[0] == key0 for s in segs):
-        start = pos = segs[0][2]
-        for s in segs:
-            if s[2] != pos:
-                break
-            pos += s[3]
+        if type(v) is LazyArray and type(v._node) is Composite:
+            _leaves(v, leaves)
         else:
-            kind = "id" if start == 0 and pos == segs[0][5] else "slice"
-            return Plan(kind, [segs[0][1]], start, pos, want)
-        a = len(index)
-        for s in segs:
-            if s[3] == 1:
-                index.append(s[2])
+            leaves.append(v)
+    keys, starts, counts = [], [], []
+    srcs = {}          # key -> (source, its rows), in first-use order
+    rs = None          # the row shape every segment must share
+    ones = whole = True
+    for v in leaves:
+        node = v._node if type(v) is LazyArray else None
+        if node is None or node is DETACHED:
+            arr = v if node is None else v._value
+            key = id(arr)
+            shp = sizes.get(key)
+            if shp is None:
+                shp = sizes[key] = arr.shape
+            full = count = shp[0]
+            start = 0
+            if key not in srcs:
+                srcs[key] = (arr, full)
+            r = shp[1:]
+        else:
+            k = v._k
+            grp = node.group
+            key = (grp, k)
+            sshape = node.info.out_meta[k][0]
+            if node.rows is None:
+                count = sshape[0] if sshape else 1
+                start = node.row * count
+                full = grp.size * count
             else:
-                index.extend(range(s[2], s[2] + s[3]))
-        return Plan("take", [segs[0][1]], a, len(index), want)
-    srcs, offsets, off = [], {}, 0
-    for s in segs:
-        if s[0] not in offsets:
-            offsets[s[0]] = off
-            srcs.append(s[1])
-            off += s[5]
-    if len(srcs) == len(segs) and all(s[2] == 0 and s[3] == s[5] for s in segs):
-        # each segment is a whole source, used once, in order
-        return Plan("concat", srcs, 0, 0, want)
-    a = len(index)
-    for s in segs:
-        base = offsets[s[0]] + s[2]
-        if s[3] == 1:
-            index.append(base)
+                start, count, full = node.off, node.rows, grp.rows
+            view = v._view
+            if view is not None:
+                start += view[0]
+                count = view[1]
+            if key not in srcs:
+                srcs[key] = (key, full)
+            r = sshape[1:]
+        if r != rs:
+            if rs is not None:
+                return Plan("each", None, 0, 0, _want(values, shape), list(values))
+            rs = r
+        if count != 1:
+            ones = False
+        if start or count != full:
+            whole = False
+        keys.append(key)
+        starts.append(start)
+        counts.append(count)
+    want = _want(values, shape)
+    if len(srcs) == 1:
+        src = next(iter(srcs.values()))[0]
+        pos = starts[0]
+        for s, c in zip(starts, counts):
+            if s != pos:
+                break
+            pos += c
         else:
-            index.extend(range(base, base + s[3]))
-    return Plan("concat_take", srcs, a, len(index), want)
+            kind = "id" if starts[0] == 0 and pos == srcs[keys[0]][1] else "slice"
+            return Plan(kind, [src], starts[0], pos, want, have=(pos - starts[0],) + rs)
+        a = len(index)
+        if ones:
+            index.extend(starts)
+        else:
+            for s, c in zip(starts, counts):
+                index.extend(range(s, s + c))
+        return Plan("take", [src], a, len(index), want, have=(len(index) - a,) + rs)
+    if whole and len(srcs) == len(keys):
+        # each segment is a whole source, used once, in order
+        return Plan("concat", [x[0] for x in srcs.values()], 0, 0, want,
+                    have=(sum(x[1] for x in srcs.values()),) + rs)
+    offsets, off = {}, 0
+    for key, (_, full) in srcs.items():
+        offsets[key] = off
+        off += full
+    a = len(index)
+    if ones:
+        index.extend([offsets[key] + s for key, s in zip(keys, starts)])
+    else:
+        for key, s, c in zip(keys, starts, counts):
+            base = offsets[key] + s
+            index.extend(range(base, base + c))
+    return Plan("concat_take", [x[0] for x in srcs.values()], a, len(index), want,
+                have=(len(index) - a,) + rs)
+
+
+def _want(values, shape):
+    """The flat shape of the gathered values."""
+    if shape[0] is None:   # ragged: each sample brings its own leading length
+        return (sum(v._shape[0] if type(v) is LazyArray else v.shape[0]
+                    for v in values),) + tuple(shape[1:])
+    return flat_shape(shape, len(values))
+
+
+# The flush issues a few framework calls per launch; MXNet's generated Python
+# wrappers (argument checks, np.prod of shapes in reshape, the indexing machinery
+# for a slice) cost more than the calls themselves, so these go to the C API.
+_invoke = _register._imperative_invoke   # MXNet's, captured before the hook patches it
+_HANDLES = {}
+
+
+def _handle(name):
+    h = _HANDLES.get(name)
+    if h is None:
+        hdl = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(hdl)))
+        h = _HANDLES[name] = hdl.value
+    return h
+
+
+def _take(src, idx):
+    return _invoke(_handle("take"), [src, idx], ["axis"], ["0"], None, False, False)
+
+
+def _concat(srcs):
+    return _invoke(_handle("Concat"), srcs, ["num_args", "dim"], [str(len(srcs)), "0"],
+                   None, False, False)
+
+
+def _rows(arr, start, stop):
+    """Rows ``start:stop`` of ``arr``: a view (recorded for autograd when recording)."""
+    h = NDArrayHandle()
+    check_call(_LIB.MXNDArraySlice(arr.handle, mx_uint(start), mx_uint(stop), ctypes.byref(h)))
+    return NDArray(handle=h, writable=arr.writable)
+
+
+def _reshape(arr, shape):
+    """``arr.reshape(shape)`` for a shape of the same size (known here)."""
+    h = NDArrayHandle()
+    check_call(_LIB.MXNDArrayReshape64(arr.handle, len(shape), c_array(ctypes.c_int64, shape),
+                                       False, ctypes.byref(h)))
+    return NDArray(handle=h, writable=arr.writable)
 
 
 def _src(s):
@@ -168,14 +243,14 @@ def run_gather(plan, index_nd):
     if kind == "id":
         out = _src(plan.srcs[0])
     elif kind == "slice":
-        out = nd.slice_axis(_src(plan.srcs[0]), axis=0, begin=plan.start, end=plan.stop)
+        out = _rows(_src(plan.srcs[0]), plan.start, plan.stop)
     elif kind == "take":
-        out = nd.take(_src(plan.srcs[0]), index_nd[plan.start:plan.stop], axis=0)
+        out = _take(_src(plan.srcs[0]), _rows(index_nd, plan.start, plan.stop))
     elif kind == "concat":
-        out = nd.concat(*[_src(s) for s in plan.srcs], dim=0)
+        out = _concat([_src(s) for s in plan.srcs])
     elif kind == "concat_take":
-        big = nd.concat(*[_src(s) for s in plan.srcs], dim=0)
-        out = nd.take(big, index_nd[plan.start:plan.stop], axis=0)
+        out = _take(_concat([_src(s) for s in plan.srcs]),
+                    _rows(index_nd, plan.start, plan.stop))
     else:
         # mixed producers whose row shapes differ (e.g. a squeezed view beside a
         # plain array): bring each sample to its own array, then concatenate
@@ -184,8 +259,9 @@ def run_gather(plan, index_nd):
             per = (plan.want[0] // len(parts),) + tuple(plan.want[1:])
             parts = [p.reshape(per) for p in parts]
         out = nd.concat(*parts, dim=0) if len(parts) > 1 else parts[0]
-    if out.shape != plan.want:
-        out = out.reshape(plan.want)
+    have = plan.have if plan.have is not None else out.shape
+    if have != plan.want:
+        out = _reshape(out, plan.want)
     return out
 
 

@@ -90,6 +90,13 @@ def _site():
         stack = traceback.extract_stack()[:-2]
         return "".join(traceback.format_list([f for f in stack if not _skipped(f.filename)]))
     f = sys._getframe(2)  # pylint: disable=protected-access
+    return _site_of(f)
+
+
+def _site_of(f):
+    """The call site at frame ``f`` or the first frame above it outside MXNet and jitbatch."""
+    if _config.debug:
+        return _site()
     while f is not None and _skipped(f.f_code.co_filename):
         f = f.f_back
     if f is None:
@@ -114,13 +121,22 @@ _concrete_meta = {}   # id -> (array, meta): the same concrete array (a zero sta
                       # a constant) is passed to many calls; its meta is asked once
 
 
+_CONTEXTS = {}   # one Context object per device: every meta and lazy array shares
+                 # it, so signature keys compare contexts by identity (Context.__eq__
+                 # is Python code)
+
+
 def _meta(a):
     if type(a) is LazyArray:
         return a._shape, a._dtype, a._ctx
     hit = _concrete_meta.get(id(a))
     if hit is not None and hit[0] is a:
         return hit[1]
-    m = (a.shape, a.dtype, a.context)
+    ctx = a.context
+    c = _CONTEXTS.get(ctx)
+    if c is None:
+        c = _CONTEXTS[ctx] = ctx
+    m = (a.shape, a.dtype, c)
     if len(_concrete_meta) >= 512:
         _concrete_meta.clear()
     _concrete_meta[id(a)] = (a, m)
@@ -409,7 +425,7 @@ def _rowwise_any_length(out, names, shapes, o1):
     return all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:]) for a, b in zip(o1, o3))
 
 
-def _record_block(self, g, x, args):
+def _record_block(self, g, x, args, frame=None):
     allargs = (x,) + args
     for a in allargs:
         t = type(a)
@@ -453,11 +469,11 @@ def _record_block(self, g, x, args):
         g.policy, g.budget = cfg.policy, cfg.budget
     ctx = mc[0][2]
     if info.out_meta and info.out_meta[0][0][0] is None:
-        node = g.add(info, tuple(flat), _site(), mode, lead)
+        node = g.add(info, tuple(flat), _site() if frame is None else _site_of(frame), mode, lead)
         outs = [LazyArray(node, k, (lead,) + m[0][1:], m[1], ctx)
                 for k, m in enumerate(info.out_meta)]
     else:
-        node = g.add(info, tuple(flat), _site(), mode)
+        node = g.add(info, tuple(flat), _site() if frame is None else _site_of(frame), mode)
         outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
     fmt = self._out_format  # pylint: disable=protected-access
@@ -518,7 +534,7 @@ def _call(self, *args):
                 not self._forward_pre_hooks and not _is_np_array():
             # what Block.__call__ -> HybridBlock.forward would do here, minus two
             # Python frames: record the call (None: symbols, run it as usual)
-            res = _record_block(self, g, args[0], args[1:])
+            res = _record_block(self, g, args[0], args[1:], sys._getframe(1))  # pylint: disable=protected-access
             if res is not None:
                 return res
         return _orig_call(self, *args)
