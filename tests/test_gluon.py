@@ -255,8 +255,9 @@ def test_failure_in_merged_execution_names_site_and_recovers():
 def test_uninstall_restores_mxnet_and_install_is_idempotent():
     from mxnet.gluon.block import HybridBlock as HB
     patched = HB.forward
+    patched_stack = nd.stack
     jitbatch.install()
-    assert HB.forward is patched
+    assert HB.forward is patched and nd.stack is patched_stack and mx.nd.op.stack is patched_stack
     net = nn.Dense(2, in_units=2)
     net.initialize()
     net.hybridize(dynamic_batch=True)
@@ -264,6 +265,8 @@ def test_uninstall_restores_mxnet_and_install_is_idempotent():
     jitbatch.uninstall()
     try:
         assert HB.forward is not patched and not jitbatch.gluon.installed()
+        assert nd.stack is not patched_stack and mx.nd.op.stack is nd.stack
+        assert "stack" in (nd.stack.__doc__ or "")
         assert y.shape == (1, 2) and y.asnumpy().shape == (1, 2)   # flushed on uninstall
         assert not isinstance(net(nd.ones((1, 2))), jitbatch.LazyArray)
     finally:
@@ -350,3 +353,41 @@ def test_mixed_contexts_in_an_operator_call_are_caught_every_time():
     with pytest.raises(jitbatch.BatchingError, match=r"operator broadcast_\w+: argument 1 is on cpu\(1\)"):
         y + nd.ones((1, 2), ctx=mx.cpu(1))
     jitbatch.flush()
+
+
+def test_forward_hooks_of_a_flagged_block_still_run():
+    # recording skips Block.__call__ only when no hook is registered
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    seen = []
+    pre = net.register_forward_pre_hook(lambda blk, args: seen.append(("pre", args[0].shape)))
+    post = net.register_forward_hook(lambda blk, args, out: seen.append(("post", out.shape)))
+    ys = [net(nd.ones((1, 2)) * i) for i in range(3)]
+    assert seen == [("pre", (1, 2)), ("post", (1, 2))] * 3
+    assert all(isinstance(y, jitbatch.LazyArray) for y in ys)
+    pre.detach()
+    post.detach()
+    net(nd.ones((1, 2)))
+    assert len(seen) == 6
+    net.hybridize()
+    assert np.allclose(ys[2].asnumpy(), net(nd.ones((1, 2)) * 2).asnumpy())
+
+
+def test_stack_of_lazy_rows_is_virtual_and_other_stacks_are_not():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    a, b = net(nd.ones((1, 2))), net(nd.ones((1, 2)) * 2)
+    jitbatch.reset_stats()
+    s1 = nd.stack(a, b, axis=1)                  # (1, 2, 2): rows side by side, no node
+    s0 = nd.stack(a, b)                          # axis 0: a real (recorded) operator
+    assert s1.shape == (1, 2, 2) and s0.shape == (2, 1, 2)
+    assert jitbatch.current_graph().nodes[-1].info.name == "stack"
+    assert len(jitbatch.current_graph().nodes) == 3
+    with pytest.raises(Exception):
+        nd.stack(a, np.ones((1, 2)), axis=1)     # MXNet's own error for a non-NDArray
+    net.hybridize()
+    want = nd.stack(net(nd.ones((1, 2))), net(nd.ones((1, 2)) * 2), axis=1).asnumpy()
+    assert np.allclose(s1.asnumpy(), want)
+    assert np.allclose(s0.asnumpy(), want.transpose(1, 0, 2))

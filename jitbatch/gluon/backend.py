@@ -138,7 +138,7 @@ def plan_gather(values, shape, index, sizes):
             r = sshape[1:]
         if r != rs:
             if rs is not None:
-                return Plan("each", None, 0, 0, _want(values, shape), list(values))
+                return Plan("each", None, 0, 0, _want(values, shape, sizes), list(values))
             rs = r
         if count != 1:
             ones = False
@@ -147,7 +147,7 @@ def plan_gather(values, shape, index, sizes):
         keys.append(key)
         starts.append(start)
         counts.append(count)
-    want = _want(values, shape)
+    want = _want(values, shape, sizes)
     if len(srcs) == 1:
         src = next(iter(srcs.values()))[0]
         pos = starts[0]
@@ -184,11 +184,20 @@ def plan_gather(values, shape, index, sizes):
                 have=(len(index) - a,) + rs)
 
 
-def _want(values, shape):
-    """The flat shape of the gathered values."""
+def _want(values, shape, sizes):
+    """The flat shape of the gathered values (``sizes``: id -> shape of the
+    concrete arrays seen so far in this flush)."""
     if shape[0] is None:   # ragged: each sample brings its own leading length
-        return (sum(v._shape[0] if type(v) is LazyArray else v.shape[0]
-                    for v in values),) + tuple(shape[1:])
+        rows = 0
+        for v in values:
+            if type(v) is LazyArray:
+                rows += v._shape[0]
+            else:
+                shp = sizes.get(id(v))
+                if shp is None:
+                    shp = sizes[id(v)] = v.shape
+                rows += shp[0]
+        return (rows,) + tuple(shape[1:])
     return flat_shape(shape, len(values))
 
 
