@@ -299,28 +299,26 @@ def run_child(args):
         t2 = time.perf_counter()
         return values, (t1 - t0, t2 - t1, 0.0)
 
+    def timed(step, size, count):
+        """Warm-up on the first minibatch, then ``count`` timed ones; returns
+        (first result, pairs/s, seconds, per-phase seconds summed)."""
+        first, _ = step(pairs[:size])
+        splits = [0.0, 0.0, 0.0]
+        t0 = time.perf_counter()
+        for b in range(1, count + 1):
+            _, parts = step(pairs[b * size:(b + 1) * size])
+            splits = [a + p for a, p in zip(splits, parts)]
+        dt = time.perf_counter() - t0
+        return first, count * size / dt, dt, splits
+
     out = {"autobatch": int(args.child)}
-    ts, tn = args.train_size, args.train_batches
     if "train" in args.workloads:
-        first_kl, _ = train_step(pairs[:ts])                    # warm-up
-        splits = [0.0, 0.0, 0.0]
-        t0 = time.perf_counter()
-        for b in range(1, tn + 1):
-            _, parts = train_step(pairs[b * ts:(b + 1) * ts])
-            splits = [a + p for a, p in zip(splits, parts)]
-        dt = time.perf_counter() - t0
-        out["train"] = {"pairs_per_s": tn * ts / dt, "seconds": dt, "first_loss": first_kl,
+        first_kl, rate, dt, splits = timed(train_step, args.train_size, args.train_batches)
+        out["train"] = {"pairs_per_s": rate, "seconds": dt, "first_loss": first_kl,
                         "split_s": dict(zip(("build", "forward", "backward_update"), splits))}
-    isz, inb = args.infer_size, args.infer_batches
     if "infer" in args.workloads:
-        first_pred, _ = infer_step(pairs[:isz])                 # warm-up
-        splits = [0.0, 0.0, 0.0]
-        t0 = time.perf_counter()
-        for b in range(1, inb + 1):
-            _, parts = infer_step(pairs[b * isz:(b + 1) * isz])
-            splits = [a + p for a, p in zip(splits, parts)]
-        dt = time.perf_counter() - t0
-        out["infer"] = {"pairs_per_s": inb * isz / dt, "seconds": dt,
+        first_pred, rate, dt, splits = timed(infer_step, args.infer_size, args.infer_batches)
+        out["infer"] = {"pairs_per_s": rate, "seconds": dt,
                         "first_preds": [float(v) for v in first_pred[:8]],
                         "split_s": dict(zip(("build", "forward"), splits[:2]))}
     with open(args.child_out, "w") as fh:
