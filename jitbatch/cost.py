@@ -17,8 +17,9 @@ UNBATCHED execution time (one launch per node: the time batching is there to
 save), and runs the cheapest that is left (``sequential``, which needs no
 analysis, is always allowed). Launch times are measured on the Python side;
 MXNet computes asynchronously, so they undercount kernels, which is why the
-budget is set against the unbatched run, whose launch count is exact. If no two nodes share (depth, signature), nothing
-can merge and ``sequential`` runs without further analysis."""
+budget is set against the unbatched run, whose launch count is exact. If no two
+nodes share (depth, signature), nothing can merge and ``sequential`` runs
+without further analysis."""
 
 
 class Model(object):

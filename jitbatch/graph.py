@@ -84,8 +84,18 @@ class Composite(object):
         return None
 
 
+def _sources(x):
+    """The producers one lazy input reads: its node, or the nodes behind a composite."""
+    p = x._node
+    if type(p) is Composite:
+        ps = []
+        _producers(x, ps)
+        return ps
+    return (p,)
+
+
 def _producers(x, out):
-    """Pending producer nodes behind one input (through composites)."""
+    """Pending producer nodes behind a composite input (through nested composites)."""
     for y in x._node.parts:
         if isinstance(y, Ref):
             p = y._node
@@ -125,13 +135,7 @@ class Graph(object):
         wait = 0
         for x in inputs:
             if isinstance(x, Ref):
-                p = x._node
-                if type(p) is Composite:
-                    ps = []
-                    _producers(x, ps)
-                else:
-                    ps = (p,)
-                for p in ps:
+                for p in _sources(x):
                     if p.batch is None and p.graph is self:
                         wait += 1
                         users = p.users
@@ -169,13 +173,8 @@ class Graph(object):
             n.error = error
             for x in n.inputs:
                 if isinstance(x, Ref):
-                    ps = []
-                    if type(x._node) is Composite:
-                        _producers(x, ps)
-                    elif x._node.batch is None:
-                        ps.append(x._node)
-                    for p in ps:
-                        if p.users and id(p) not in gone:
+                    for p in _sources(x):
+                        if p.batch is None and p.users and id(p) not in gone:
                             p.users = [u for u in p.users if id(u) not in gone] or None
             n.inputs = ()
             n.users = None

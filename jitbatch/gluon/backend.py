@@ -334,11 +334,11 @@ def row_value(v):
             else:
                 out = nd.slice_axis(src, axis=0, begin=start, end=start + count)
             if out.shape != v._shape:
-                out = out.reshape(v._shape)
+                out = _reshape(out, v._shape)
         return out
-    out = src if (start == 0 and count == src.shape[0]) else src[start:start + count]
+    out = src if (start == 0 and count == src.shape[0]) else _rows(src, start, start + count)
     if out.shape != v._shape:
-        out = out.reshape(v._shape)
+        out = _reshape(out, v._shape)
     return out
 
 

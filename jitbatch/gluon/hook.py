@@ -83,20 +83,18 @@ def _skipped(fn):
 
 
 def _site():
-    """``file:line in function`` of the user's call (skipping MXNet and jitbatch),
-    kept as a tuple; formatted only when an error needs it."""
-    if _config.debug:
-        import traceback
-        stack = traceback.extract_stack()[:-2]
-        return "".join(traceback.format_list([f for f in stack if not _skipped(f.filename)]))
-    f = sys._getframe(2)  # pylint: disable=protected-access
-    return _site_of(f)
+    """The call site of the caller's caller (see ``_site_of``)."""
+    return _site_of(sys._getframe(2))  # pylint: disable=protected-access
 
 
 def _site_of(f):
-    """The call site at frame ``f`` or the first frame above it outside MXNet and jitbatch."""
+    """``file:line in function`` at frame ``f`` or the first frame above it outside
+    MXNet and jitbatch, kept as (code, line) and formatted only when an error needs
+    it; with ``config.debug``, the whole user stack as text."""
     if _config.debug:
-        return _site()
+        import traceback
+        stack = traceback.extract_stack(f)
+        return "".join(traceback.format_list([x for x in stack if not _skipped(x.filename)]))
     while f is not None and _skipped(f.f_code.co_filename):
         f = f.f_back
     if f is None:
@@ -425,7 +423,7 @@ def _rowwise_any_length(out, names, shapes, o1):
     return all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:]) for a, b in zip(o1, o3))
 
 
-def _record_block(self, g, x, args, frame=None):
+def _record_block(self, g, x, args, frame):
     allargs = (x,) + args
     for a in allargs:
         t = type(a)
@@ -468,12 +466,13 @@ def _record_block(self, g, x, args, frame=None):
         cfg = self._jb_cfg
         g.policy, g.budget = cfg.policy, cfg.budget
     ctx = mc[0][2]
+    site = _site_of(frame)
     if info.out_meta and info.out_meta[0][0][0] is None:
-        node = g.add(info, tuple(flat), _site() if frame is None else _site_of(frame), mode, lead)
+        node = g.add(info, tuple(flat), site, mode, lead)
         outs = [LazyArray(node, k, (lead,) + m[0][1:], m[1], ctx)
                 for k, m in enumerate(info.out_meta)]
     else:
-        node = g.add(info, tuple(flat), _site() if frame is None else _site_of(frame), mode)
+        node = g.add(info, tuple(flat), site, mode)
         outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
     fmt = self._out_format  # pylint: disable=protected-access
@@ -514,7 +513,7 @@ def _forward(self, x, *args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
             return _orig_forward(self, x, *args)
         if not g.executing:
-            res = _record_block(self, g, x, args)
+            res = _record_block(self, g, x, args, sys._getframe(1))  # pylint: disable=protected-access
             if res is not None:
                 return res
     return _orig_forward(self, x, *args)
