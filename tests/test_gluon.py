@@ -94,6 +94,59 @@ def test_autograd_mode_is_the_one_recorded_under():
         assert np.all(net(x).asnumpy() == 1)
 
 
+def test_each_node_keeps_the_autograd_state_of_its_own_call():
+    # jitbatch keeps the autograd state between records and drops it when
+    # MXNet's setters run: every way of changing it must show in the next node
+    from mxnet.contrib import autograd as contrib_autograd
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    x = nd.ones((1, 2))
+    seen = []
+
+    def call():
+        net(x)
+        seen.append((jitbatch.current_graph().nodes[-1].mode,
+                     (autograd.is_recording(), autograd.is_training())))
+    call()
+    with autograd.record():
+        call()
+        with autograd.pause():
+            call()
+            with autograd.train_mode():
+                call()
+        call()
+        with autograd.predict_mode():
+            call()
+    with autograd.record(train_mode=False):
+        call()
+    prev = autograd.set_training(True)
+    call()
+    autograd.set_training(prev)
+    prev = autograd.set_recording(True)
+    call()
+    autograd.set_recording(prev)
+    call()
+    prev = contrib_autograd.set_is_training(True)   # sets both, through the C API
+    call()
+    contrib_autograd.set_is_training(prev)
+    call()
+    jitbatch.flush()
+    assert [m for m, _ in seen] == [want for _, want in seen]
+    assert len({want for _, want in seen}) == 4     # every state was exercised
+
+
+def test_lazy_arrays_context_is_an_equal_context():
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    y = net(nd.ones((1, 2)))
+    c = y.context
+    assert isinstance(c, mx.Context) and c == mx.cpu() and mx.cpu() == c and c != mx.cpu(1)
+    assert {mx.cpu(): "cpu"}[c] == "cpu" and {c: "lazy"}[mx.cpu(0)] == "lazy"
+    assert (nd.zeros((1,), ctx=c) + y[:, :1]).context == mx.cpu()
+
+
 def test_nodes_recorded_outside_record_have_no_history():
     def go(flag):
         net = nn.Dense(2, in_units=2, weight_initializer=mx.init.Constant(0.5))
@@ -256,6 +309,7 @@ def test_uninstall_restores_mxnet_and_install_is_idempotent():
     from mxnet.gluon.block import HybridBlock as HB
     patched = HB.forward
     patched_stack = nd.stack
+    patched_setter = autograd.set_recording
     jitbatch.install()
     assert HB.forward is patched and nd.stack is patched_stack and mx.nd.op.stack is patched_stack
     net = nn.Dense(2, in_units=2)
@@ -266,6 +320,7 @@ def test_uninstall_restores_mxnet_and_install_is_idempotent():
     try:
         assert HB.forward is not patched and not jitbatch.gluon.installed()
         assert nd.stack is not patched_stack and mx.nd.op.stack is nd.stack
+        assert autograd.set_recording is patched_setter.__wrapped__
         assert "stack" in (nd.stack.__doc__ or "")
         assert y.shape == (1, 2) and y.asnumpy().shape == (1, 2)   # flushed on uninstall
         assert not isinstance(net(nd.ones((1, 2))), jitbatch.LazyArray)

@@ -8,8 +8,10 @@ import threading
 import numpy as np
 
 from mxnet import autograd
+from mxnet.contrib import autograd as _contrib_autograd
 from mxnet import ndarray as _ndmod
 from mxnet.base import _LIB
+from mxnet.context import Context
 from mxnet.gluon.block import Block, HybridBlock, _flatten, _regroup
 from mxnet.ndarray import NDArray
 from mxnet.util import is_np_array as _is_np_array
@@ -56,20 +58,34 @@ def installed():
 
 _IS_REC = _LIB.MXAutogradIsRecording
 _IS_TRAIN = _LIB.MXAutogradIsTraining
+_modes = threading.local()   # .mode: this thread's autograd state, while known
 
 
 def _mode():
-    """``(autograd.is_recording(), autograd.is_training())`` at half the cost: both
-    C calls write into this thread's preallocated flags (asked on every record)."""
+    """``(autograd.is_recording(), autograd.is_training())`` of this thread, asked
+    of MXNet once and then kept until MXNet's setters change it (``install``
+    wraps them so they drop the kept value); read on every record."""
     try:
-        r, t, br, bt = _tls.flags
+        m = _modes.mode
     except AttributeError:
+        m = None
+    if m is None:
         r, t = ctypes.c_bool(), ctypes.c_bool()
-        br, bt = ctypes.byref(r), ctypes.byref(t)
-        _tls.flags = (r, t, br, bt)
-    if _IS_REC(br) or _IS_TRAIN(bt):
-        return (autograd.is_recording(), autograd.is_training())  # raises MXNet's error
-    return (r.value, t.value)
+        if _IS_REC(ctypes.byref(r)) or _IS_TRAIN(ctypes.byref(t)):
+            return (autograd.is_recording(), autograd.is_training())  # MXNet's error
+        m = _modes.mode = (r.value, t.value)
+    return m
+
+
+def _forget_mode(setter):
+    """Wrap an MXNet autograd-state setter so this thread asks again after it."""
+    @_wraps(setter)
+    def wrapper(*args, **kwargs):
+        try:
+            return setter(*args, **kwargs)
+        finally:
+            _modes.mode = None
+    return wrapper
 
 
 _skip_file = {}
@@ -119,9 +135,21 @@ _concrete_meta = {}   # id -> (array, meta): the same concrete array (a zero sta
                       # a constant) is passed to many calls; its meta is asked once
 
 
-_CONTEXTS = {}   # one Context object per device: every meta and lazy array shares
-                 # it, so signature keys compare contexts by identity (Context.__eq__
-                 # is Python code)
+class _Device(Context):
+    """The one Context object of a device that every meta and lazy array shares:
+    signature keys compare it by identity (``Context.__eq__`` is Python code) and
+    hash it from a stored value (``Context.__hash__`` builds a tuple per call).
+    Equal to, and hashed like, any Context of the same device."""
+
+    def __init__(self, ctx):
+        super(_Device, self).__init__(ctx)
+        self._hash = hash(ctx)
+
+    def __hash__(self):
+        return self._hash
+
+
+_CONTEXTS = {}   # Context of a device -> its _Device
 
 
 def _meta(a):
@@ -133,7 +161,7 @@ def _meta(a):
     ctx = a.context
     c = _CONTEXTS.get(ctx)
     if c is None:
-        c = _CONTEXTS[ctx] = ctx
+        c = _CONTEXTS[ctx] = _Device(ctx)
     m = (a.shape, a.dtype, c)
     if len(_concrete_meta) >= 512:
         _concrete_meta.clear()
@@ -233,11 +261,29 @@ def _rows_composite(kind, handle, ndargs, keys, vals):
 
 
 _STACK = {}   # 'handle', 'orig': MXNet's generated nd.stack and its operator
+_STACK_KEYS = ("axis", "num_args")
 
 
 def _stack(*data, **kwargs):
     """``nd.stack`` that, when given lazy rows, makes their composite directly
     (MXNet's generated wrapper and the operator hook cost more than the rest)."""
+    if data and len(kwargs) == 1 and kwargs.get("axis") == 1:
+        # the common case, checked inline: lazy (1, ...) rows alike in shape, dtype
+        # and (canonical) context, stacked along axis 1
+        a = data[0]
+        if type(a) is LazyArray:
+            s0, d0, c0 = a._shape, a._dtype, a._ctx
+            if s0 and s0[0] == 1:
+                for b in data:
+                    if type(b) is not LazyArray or b._shape != s0 or b._dtype is not d0 \
+                            or b._ctx is not c0:
+                        break
+                else:
+                    if not current_graph().executing:
+                        n = len(data)
+                        return LazyArray(
+                            Composite(data, (_STACK["handle"], _STACK_KEYS, ("1", str(n))),
+                                      _mode()), 0, (1, n) + s0[1:], d0, c0)
     if data and (not kwargs or kwargs.keys() <= {"axis"}):
         for a in data:
             if type(a) is LazyArray:
@@ -246,7 +292,7 @@ def _stack(*data, **kwargs):
                     break
                 axis = kwargs.get("axis", 0)
                 res = _rows_composite("stack", _STACK["handle"], data,
-                                      ("axis", "num_args"), (str(axis), str(len(data))))
+                                      _STACK_KEYS, (str(axis), str(len(data))))
                 if res is not None:
                     return res
                 break
@@ -621,6 +667,15 @@ def install():
     _set(Block, "hybridize", _make_hybridize(_orig_block_hybridize))
     _set(HybridBlock, "hybridize", _make_hybridize(_orig_hybrid_hybridize))
     _set(_register, "_imperative_invoke", _invoke)
+    # the autograd state is kept per thread between records: every Python path
+    # that changes it (record/pause/train_mode/predict_mode scopes, the setters,
+    # the deprecated contrib API) goes through these module functions
+    global _modes
+    _modes = threading.local()
+    for owner, names in ((autograd, ("set_recording", "set_training")),
+                         (_contrib_autograd, ("set_is_training",))):
+        for name in names:
+            _set(owner, name, _forget_mode(getattr(owner, name)))
     if not _ROWS_OPS:
         _init_rows_ops()
     _STACK["orig"] = _ndmod.stack
@@ -644,5 +699,7 @@ def uninstall():
             delattr(owner, name)
         else:
             setattr(owner, name, orig)
+    global _modes
+    _modes = threading.local()
     TABLE.clear()   # block instances keep inert _jb_cfg/_jb_token attributes
     _EXACT.clear()
