@@ -6,9 +6,11 @@ class SigInfo(object):
     """What every node of one signature shares: computed once, when first seen.
 
     ``op`` is the backend's executor for the signature; ``out_meta`` a tuple of
-    ``(shape, dtype)`` per output (per-sample shapes); ``batchable`` False means
-    nodes run one launch each (no batching rule)."""
-    __slots__ = ("id", "key", "op", "out_meta", "batchable", "name", "launch_cost",
+    ``(shape, dtype)`` per output (per-sample shapes); ``out_rows`` per output
+    its rows per sample (None: ragged, each node has its own) and the shape of
+    one row; ``batchable`` False means nodes run one launch each (no batching
+    rule)."""
+    __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
                  "launch_rows", "launches", "launch_rr", "launch_cr")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
@@ -16,6 +18,7 @@ class SigInfo(object):
         self.key = key
         self.op = op
         self.out_meta = out_meta
+        self.out_rows = tuple((m[0][0] if m[0] else 1, tuple(m[0][1:])) for m in out_meta)
         self.batchable = batchable
         self.name = name
         self.launch_cost = 0.0   # measured seconds, summed

@@ -305,6 +305,28 @@ def test_failure_in_merged_execution_names_site_and_recovers():
     assert np.allclose(again.asnumpy(), good.asnumpy())
 
 
+def test_call_sites_are_the_user_lines_for_blocks_and_operators(monkeypatch):
+    import inspect
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    here = inspect.currentframe().f_lineno
+    y = net(nd.ones((1, 2)))       # here + 1
+    z = nd.exp(y)                  # here + 2: through MXNet's generated wrapper
+    w = y * 2                      # here + 3: through NDArray.__mul__
+    nodes = jitbatch.current_graph().nodes[-3:]
+    assert [(n.site.code.co_filename, n.site.line) for n in nodes] == \
+        [(__file__, here + k) for k in (1, 2, 3)]
+    monkeypatch.setattr(jitbatch.config, "debug", True)
+    v = nd.exp(z)                  # here + 8: a whole user stack, no MXNet/jitbatch frame
+    stack = jitbatch.current_graph().nodes[-1].site
+    assert stack.rstrip().endswith("v = nd.exp(z)                  # here + 8: a whole user stack, no MXNet/jitbatch frame")
+    assert "line %d, in test_call_sites" % (here + 8) in stack
+    assert "/mxnet/" not in stack and "jitbatch/gluon" not in stack and "<string>" not in stack
+    jitbatch.flush()
+    assert np.allclose(v.asnumpy(), np.exp(np.exp(y.asnumpy()))) and w.shape == (1, 2)
+
+
 def test_uninstall_restores_mxnet_and_install_is_idempotent():
     from mxnet.gluon.block import HybridBlock as HB
     patched = HB.forward

@@ -92,15 +92,17 @@ def plan_gather(values, shape, index, sizes):
     the flat layout; index lists are appended to ``index`` (one copy per flush).
 
     Every value (a composite: each of its parts) is a segment of rows of one
-    source: a launch's output (key ``(group, k)``) or a concrete array (key
-    ``id``). This runs once per row of every launch's inputs, so it is written
-    as one flat loop."""
+    source: a launch's output (key: its group for output 0, else ``(group, k)``)
+    or a concrete array (key ``id``). This runs once per row of every launch's
+    inputs, so it is written as one flat loop."""
     leaves = []
     for v in values:
         if type(v) is LazyArray and type(v._node) is Composite:
             _leaves(v, leaves)
         else:
             leaves.append(v)
+    want = flat_shape(shape, len(values)) if shape[0] is not None else \
+        _ragged_want(values, shape, sizes)
     keys, starts, counts = [], [], []
     srcs = {}          # key -> (source, its rows), in first-use order
     rs = None          # the row shape every segment must share
@@ -121,24 +123,23 @@ def plan_gather(values, shape, index, sizes):
         else:
             k = v._k
             grp = node.group
-            key = (grp, k)
-            sshape = node.info.out_meta[k][0]
-            if node.rows is None:
-                count = sshape[0] if sshape else 1
-                start = node.row * count
-                full = grp.size * count
+            per, r = node.info.out_rows[k]
+            if per is not None:
+                count = per
+                start = node.row * per
+                full = grp.size * per
             else:
                 start, count, full = node.off, node.rows, grp.rows
             view = v._view
             if view is not None:
                 start += view[0]
                 count = view[1]
+            key = grp if k == 0 else (grp, k)
             if key not in srcs:
-                srcs[key] = (key, full)
-            r = sshape[1:]
+                srcs[key] = ((grp, k), full)
         if r != rs:
             if rs is not None:
-                return Plan("each", None, 0, 0, _want(values, shape, sizes), list(values))
+                return Plan("each", None, 0, 0, want, list(values))
             rs = r
         if count != 1:
             ones = False
@@ -147,7 +148,6 @@ def plan_gather(values, shape, index, sizes):
         keys.append(key)
         starts.append(start)
         counts.append(count)
-    want = _want(values, shape, sizes)
     if len(srcs) == 1:
         src = next(iter(srcs.values()))[0]
         pos = starts[0]
@@ -184,21 +184,19 @@ def plan_gather(values, shape, index, sizes):
                 have=(len(index) - a,) + rs)
 
 
-def _want(values, shape, sizes):
-    """The flat shape of the gathered values (``sizes``: id -> shape of the
-    concrete arrays seen so far in this flush)."""
-    if shape[0] is None:   # ragged: each sample brings its own leading length
-        rows = 0
-        for v in values:
-            if type(v) is LazyArray:
-                rows += v._shape[0]
-            else:
-                shp = sizes.get(id(v))
-                if shp is None:
-                    shp = sizes[id(v)] = v.shape
-                rows += shp[0]
-        return (rows,) + tuple(shape[1:])
-    return flat_shape(shape, len(values))
+def _ragged_want(values, shape, sizes):
+    """The flat shape of ragged values: each brings its own leading length
+    (``sizes``: id -> shape of the concrete arrays seen so far in this flush)."""
+    rows = 0
+    for v in values:
+        if type(v) is LazyArray:
+            rows += v._shape[0]
+        else:
+            shp = sizes.get(id(v))
+            if shp is None:
+                shp = sizes[id(v)] = v.shape
+            rows += shp[0]
+    return (rows,) + tuple(shape[1:])
 
 
 # The flush issues a few framework calls per launch; MXNet's generated Python
@@ -287,8 +285,9 @@ def prepare(batches):
             continue
         ex = first.info.op
         lst = index.setdefault(ex.ctx, [])
-        first.plan = [plan_gather([node.inputs[j] for node in batch], meta[0], lst, sizes)
-                      for j, meta in enumerate(ex.in_meta)]
+        cols = zip(*[node.inputs for node in batch])   # per argument: its values
+        first.plan = [plan_gather(col, meta[0], lst, sizes)
+                      for col, meta in zip(cols, ex.in_meta)]
         gathers += sum(p.kind != "id" for p in first.plan)
         planned.append(first)
     arrays = {ctx: nd.array(np.asarray(lst, dtype=np.int64), ctx=ctx, dtype="int64")

@@ -91,27 +91,36 @@ def _forget_mode(setter):
 _skip_file = {}
 
 
-def _skipped(fn):
+def _skip(f):
+    """True for a frame of MXNet or jitbatch (no user call site)."""
+    fn = f.f_code.co_filename
     r = _skip_file.get(fn)
     if r is None:
+        if fn == "<string>":   # MXNet's generated operator wrappers are exec'd code
+            return f.f_globals.get("__name__", "").startswith("mxnet")
         r = _skip_file[fn] = any(s in fn for s in _SKIP)
     return r
 
 
 def _site():
-    """The call site of the caller's caller (see ``_site_of``)."""
-    return _site_of(sys._getframe(2))  # pylint: disable=protected-access
+    """The user call site of the running record (see ``_site_of``)."""
+    return _site_of(sys._getframe(0))  # pylint: disable=protected-access
 
 
 def _site_of(f):
     """``file:line in function`` at frame ``f`` or the first frame above it outside
     MXNet and jitbatch, kept as (code, line) and formatted only when an error needs
-    it; with ``config.debug``, the whole user stack as text."""
+    it; with ``config.debug``, the whole user stack as text. (Frames of jitbatch's
+    own functions are skipped, so this holds whether or not they are compiled.)"""
     if _config.debug:
         import traceback
-        stack = traceback.extract_stack(f)
-        return "".join(traceback.format_list([x for x in stack if not _skipped(x.filename)]))
-    while f is not None and _skipped(f.f_code.co_filename):
+        frames = []
+        while f is not None:
+            if not _skip(f):
+                frames.append((f, f.f_lineno))
+            f = f.f_back
+        return "".join(traceback.format_list(traceback.StackSummary.extract(reversed(frames))))
+    while f is not None and _skip(f):
         f = f.f_back
     if f is None:
         return "?"
@@ -559,7 +568,7 @@ def _forward(self, x, *args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
             return _orig_forward(self, x, *args)
         if not g.executing:
-            res = _record_block(self, g, x, args, sys._getframe(1))  # pylint: disable=protected-access
+            res = _record_block(self, g, x, args, sys._getframe(0))  # pylint: disable=protected-access
             if res is not None:
                 return res
     return _orig_forward(self, x, *args)
@@ -579,7 +588,7 @@ def _call(self, *args):
                 not self._forward_pre_hooks and not _is_np_array():
             # what Block.__call__ -> HybridBlock.forward would do here, minus two
             # Python frames: record the call (None: symbols, run it as usual)
-            res = _record_block(self, g, args[0], args[1:], sys._getframe(1))  # pylint: disable=protected-access
+            res = _record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access
             if res is not None:
                 return res
         return _orig_call(self, *args)
