@@ -1,11 +1,61 @@
-from setuptools import find_packages, setup
+"""jitbatch's build. The core's hot modules are compiled by Cython from their own
+``.py`` sources when Cython and a C compiler are there (JITBATCH_PURE=1 skips
+it); a failed compile leaves the pure-Python package, which behaves the same.
+See jitbatch/_compiled.py."""
+import hashlib
+import os
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the list lives in jitbatch/_compiled.py (read as text: importing jitbatch needs MXNet)
+_ns = {}
+with open(os.path.join(HERE, "jitbatch", "_compiled.py")) as _f:
+    _src = _f.read()
+exec(_src[_src.index("MODULES = "):_src.index(")", _src.index("MODULES = ")) + 1], _ns)
+MODULES = _ns["MODULES"]
+
+
+def source(name):
+    return os.path.join(*name.split(".")) + ".py"
+
+
+class BuildExt(build_ext):
+    """build_ext that records, beside each built extension, the SHA-256 of the
+    source it came from (jitbatch runs the source if they differ)."""
+
+    def run(self):
+        super().run()
+        for ext in self.extensions:
+            path = self.get_ext_fullpath(ext.name)
+            if os.path.exists(path):
+                with open(os.path.join(HERE, source(ext.name)), "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+                leaf = ext.name.rsplit(".", 1)[1]
+                with open(os.path.join(os.path.dirname(path), leaf + ".built"), "w") as f:
+                    f.write(digest + "\n")
+
+
+def extensions():
+    if os.environ.get("JITBATCH_PURE", "") not in ("", "0"):
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        return []
+    exts = [Extension(m, [source(m)], optional=True) for m in MODULES]
+    return cythonize(exts, quiet=True, compiler_directives={"language_level": 3, "binding": True})
+
 
 setup(
     name="jitbatch",
     version="0.1.0",
     description="Just-in-time dynamic batching for Apache MXNet Gluon",
-    long_description=open("README.rst").read(),
+    long_description=open(os.path.join(HERE, "README.rst")).read(),
     packages=find_packages(include=["jitbatch", "jitbatch.*", "examples", "examples.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExt},
     python_requires=">=3.8",
     install_requires=[
         "mxnet==1.9.1",

@@ -7,7 +7,10 @@ Calls to flagged blocks (and NDArray operators on their results) are recorded
 per sample into a lazy graph and run, when a value is needed, as merged
 executions of same-signature calls. See README.rst.
 """
-from . import config
+from . import _compiled
+_compiled.choose()   # before any compiled module loads: stale builds run from source
+from . import config  # noqa: E402
+from ._compiled import compiled_modules  # noqa: E402
 from .errors import (BatchingError, ExecutionError, FlagError, JitBatchError,
                      StaleValueError)
 from .graph import current_graph
@@ -17,7 +20,7 @@ from .stats import STATS
 __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "POLICIES",
            "LazyArray", "JitBatchError", "FlagError", "BatchingError", "ExecutionError",
-           "StaleValueError", "is_lazy"]
+           "StaleValueError", "is_lazy", "compiled_modules"]
 
 
 def install():

@@ -5,3 +5,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_report_header(config):  # pylint: disable=unused-argument
+    import jitbatch
+    mods = jitbatch.compiled_modules()
+    return "jitbatch: %s" % ("compiled " + ", ".join(m.split(".")[-1] for m in mods) if mods
+                             else "pure Python (no compiled module in use)")

@@ -1,0 +1,64 @@
+"""The optional compiled modules (jitbatch/_compiled.py): a build that matches its
+sources is used, a stale one is not (with a warning), and the pure-Python
+sources pass the behavioural suites too."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import jitbatch
+from jitbatch import _compiled
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILT = [m for m in _compiled.MODULES if _compiled.extension_of(m)]
+needs_build = pytest.mark.skipif(not BUILT, reason="no compiled module here (pure-Python install)")
+
+
+def _run(code, env=None, cwd=ROOT):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_every_current_build_is_used_and_nothing_else():
+    fresh = []
+    for m in BUILT:
+        with open(_compiled.source_of(m)[:-3] + ".built") as f:
+            if f.read().strip() == _compiled.digest(_compiled.source_of(m)):
+                fresh.append(m)
+    assert jitbatch.compiled_modules() == fresh
+
+
+@needs_build
+def test_a_stale_build_runs_from_source_with_a_warning(tmp_path):
+    shutil.copytree(os.path.join(ROOT, "jitbatch"), tmp_path / "jitbatch")
+    edited = tmp_path / "jitbatch" / "schedule.py"
+    edited.write_text(edited.read_text() + "\nEDITED = True\n")
+    r = _run("import warnings; warnings.simplefilter('always')\n"
+             "import jitbatch, jitbatch.schedule as s\n"
+             "print(jitbatch.compiled_modules(), s.EDITED, s.__file__)", cwd=str(tmp_path),
+             env={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "jitbatch/schedule.py changed since it was compiled" in r.stderr
+    assert "pip install -e ." in r.stderr
+    assert "True" in r.stdout and r.stdout.strip().endswith("schedule.py")
+    assert "'jitbatch.schedule'" not in r.stdout and "'jitbatch.graph'" in r.stdout
+
+
+@needs_build
+def test_pure_python_sources_pass_the_behavioural_suites():
+    # the same differential (outputs and gradients vs plain Gluon), property and
+    # Gluon-behaviour tests, with every module run from its .py source
+    r = _run("import jitbatch; assert jitbatch.compiled_modules() == []",
+             env={"JITBATCH_PURE": "1"})
+    assert r.returncode == 0, r.stderr
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider",
+         "tests/test_differential.py", "tests/test_properties.py", "tests/test_gluon.py",
+         "tests/test_robustness.py"],
+        cwd=ROOT, env=dict(os.environ, JITBATCH_PURE="1"), capture_output=True, text=True,
+        timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "jitbatch: pure Python" in p.stdout
