@@ -5,8 +5,13 @@ machine (the starting values are only priors, replaced by the first
 measurements):
 
 * per signature, launch time as a function of its rows: a least-squares line
-  ``a + b * rows`` over every launch so far (timed around each launch: gathers,
-  the call, bookkeeping), the mean per launch until rows have varied;
+  ``a + b * rows`` over the launches of *calibrating* flushes (the 2nd and 3rd
+  flush under 'auto', then every 16th), which wait for each launch's kernels
+  and time gathers, call, kernels and bookkeeping; the mean per launch until
+  rows have varied. Other flushes do not wait: MXNet computes asynchronously,
+  so timing them on the Python side would leave out the kernels (it did, and
+  'auto' then preferred cheaper analysis over fewer launches where the fewer
+  launches were measured 10% faster);
 * per policy, analysis seconds per node (scheduling and gather planning);
 * how many launches the agenda saves over depth grouping, learned from every
   flush that ran the agenda (depth groups are counted on every flush: O(N)).
@@ -15,11 +20,10 @@ A flush predicts, for each policy, analysis + execution time, drops the
 policies whose predicted analysis exceeds ``analysis_budget`` x the predicted
 UNBATCHED execution time (one launch per node: the time batching is there to
 save), and runs the cheapest that is left (``sequential``, which needs no
-analysis, is always allowed). Launch times are measured on the Python side;
-MXNet computes asynchronously, so they undercount kernels, which is why the
-budget is set against the unbatched run, whose launch count is exact. If no two
-nodes share (depth, signature), nothing can merge and ``sequential`` runs
-without further analysis."""
+analysis, is always allowed). The agenda is predicted to save, per launch it
+merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
+signature), nothing can merge and ``sequential`` runs without further
+analysis."""
 
 
 class Model(object):
@@ -28,6 +32,13 @@ class Model(object):
         self.launch = 3e-4           # mean seconds per launch, all signatures
         self.agenda_ratio = 0.7      # agenda launches / depth groups
         self._measured = set()       # which priors a measurement has replaced
+        self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
+
+    def calibrate_now(self):
+        """Whether this 'auto' flush waits for and times every launch: the 2nd
+        and 3rd (the 1st pays first-call costs), then every 16th."""
+        self.flushes += 1
+        return self.flushes in (2, 3) or self.flushes % 16 == 0
 
     def _update(self, name, old, new):
         if name not in self._measured:
@@ -35,18 +46,20 @@ class Model(object):
             return new
         return 0.8 * old + 0.2 * new
 
-    def observe(self, policy, nodes, analysis_s, launches, execute_s, depth_groups):
+    def observe(self, policy, nodes, analysis_s, launches, execute_s, depth_groups,
+                calibrated=True):
         if nodes:
             self.analysis[policy] = self._update(policy, self.analysis[policy],
                                                  analysis_s / nodes)
-        if launches:
+        if launches and calibrated:
             self.launch = self._update("launch", self.launch, execute_s / launches)
         if policy == "agenda" and depth_groups:
             self.agenda_ratio = self._update("ratio", self.agenda_ratio,
                                              launches / depth_groups)
 
     def launch_cost(self, info, rows=1):
-        """Predicted seconds of one launch of ``info`` over ``rows`` nodes."""
+        """Predicted seconds of one launch of ``info`` over ``rows`` nodes
+        (``rows=0``: the fixed cost of a launch)."""
         n = info.launches
         if not n:
             return self.launch
@@ -79,14 +92,17 @@ class Model(object):
         if n <= 1 or len(groups) == n:
             return "sequential", "no two nodes can run together: nothing to merge", {}, len(groups)
         lc = self.launch_cost
-        exec_seq = exec_depth = 0.0
+        exec_seq = exec_depth = fixed = 0.0
         for first, count in groups.values():
             exec_seq += lc(first.info, 1) * count
             exec_depth += lc(first.info, count)
+            fixed += lc(first.info, 0)
         pred = {
             "sequential": (self.analysis["sequential"] * n, exec_seq),
             "depth": (self.analysis["depth"] * n, exec_depth),
-            "agenda": (self.analysis["agenda"] * n, exec_depth * self.agenda_ratio),
+            # the same rows in fewer launches: each merged-away launch saves its fixed cost
+            "agenda": (self.analysis["agenda"] * n,
+                       exec_depth - (1.0 - min(self.agenda_ratio, 1.0)) * fixed),
         }
         allowed = [p for p, (a, e) in pred.items()
                    if p == "sequential" or budget is None or a <= budget * exec_seq]

@@ -45,6 +45,10 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     if prepare is not None:
         prepare(batches)
     t1 = time.perf_counter()
+    # launch times feed the cost model only from calibrating flushes, which wait
+    # for each launch's kernels (asynchronous frameworks return before them)
+    wait = getattr(backend, "wait", None)
+    calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
     graph.executing = True
     done = 0
     try:
@@ -52,14 +56,16 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
         for batch in batches:
             ts = clock()
             backend.launch(batch)
-            dt = clock() - ts
-            info = batch[0].info
-            rows = len(batch)
-            info.launch_cost += dt
-            info.launches += 1
-            info.launch_rows += rows
-            info.launch_rr += rows * rows
-            info.launch_cr += dt * rows
+            if calibrate:
+                wait(batch)
+                dt = clock() - ts
+                info = batch[0].info
+                rows = len(batch)
+                info.launch_cost += dt
+                info.launches += 1
+                info.launch_rows += rows
+                info.launch_rr += rows * rows
+                info.launch_cr += dt * rows
             done += 1
     except BaseException as e:
         for n in nodes:
@@ -85,10 +91,11 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
                   analysis_seconds=t1 - t0, execute_seconds=t2 - t1)
     if policy == "auto":
-        cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1, groups)
+        cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1, groups,
+                           calibrated=calibrate)
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": t1 - t0,
                           "execute_seconds": t2 - t1, "predicted": predicted,
-                          "reason": reason})
+                          "calibrated": calibrate, "reason": reason})

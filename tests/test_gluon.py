@@ -305,6 +305,33 @@ def test_failure_in_merged_execution_names_site_and_recovers():
     assert np.allclose(again.asnumpy(), good.asnumpy())
 
 
+def test_auto_times_launches_only_on_calibrating_flushes(monkeypatch):
+    # the cost model's launch times come only from flushes that wait for each
+    # launch's kernels: the 2nd and 3rd 'auto' flush, then every 16th
+    from jitbatch import cost
+    model = cost.Model()
+    monkeypatch.setattr(cost, "MODEL", model)
+    waited = []
+    from jitbatch.gluon import backend
+    orig_wait = backend.Backend.wait
+    monkeypatch.setattr(backend.Backend, "wait",
+                        staticmethod(lambda batch: waited.append(len(batch)) or orig_wait(batch)))
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)            # policy 'auto'
+    seen = []
+    for k in range(1, 18):
+        ys = [net(nd.ones((1, 2)) * i) for i in range(3)]
+        jitbatch.flush()
+        seen.append(jitbatch.stats()["last_flush"]["calibrated"])
+        assert ys[0].shape == (1, 2)
+    assert [k + 1 for k, c in enumerate(seen) if c] == [2, 3, 16]
+    assert waited == [3, 3, 3]
+    sig = next(i for i in jitbatch.gluon.TABLE._table.values()
+               if getattr(getattr(i, "op", None), "block", None) is net)
+    assert sig.launches == 3 and sig.launch_rows == 9 and sig.launch_cost > 0
+
+
 def test_call_sites_are_the_user_lines_for_blocks_and_operators(monkeypatch):
     import inspect
     net = nn.Dense(2, in_units=2)

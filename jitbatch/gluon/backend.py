@@ -349,6 +349,14 @@ class Backend(object):
     def launch(batch):
         batch[0].info.op.launch(batch)
 
+    @staticmethod
+    def wait(batch):
+        """Block until a launched batch's outputs are computed (MXNet runs
+        kernels asynchronously; the cost model's calibrating flushes time
+        launches with this)."""
+        for o in batch[0].group.outs:
+            o.wait_to_read()
+
 
 BACKEND = Backend()
 
