@@ -25,6 +25,9 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
         graph.done()
 
 
+_FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch
+
+
 def _flush(graph, nodes, backend, policy, budget, forced, reason):
     t0 = time.perf_counter()
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
@@ -41,10 +44,15 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
                 n.off = off
                 off += n.rows
         g.rows = off
+    # Gathers are planned in two steps: the first launches' now, the rest once
+    # those are issued, so that their kernels (asynchronous) run while the rest
+    # is planned instead of after it. Both steps count as analysis.
     prepare = getattr(backend, "prepare", None)
+    split = _FIRST_PLANNED if len(batches) > 2 * _FIRST_PLANNED else len(batches)
     if prepare is not None:
-        prepare(batches)
+        prepare(batches[:split])
     t1 = time.perf_counter()
+    late = 0.0      # seconds planning the later launches (inside the launch loop)
     # launch times feed the cost model only from calibrating flushes, which wait
     # for each launch's kernels (asynchronous frameworks return before them)
     wait = getattr(backend, "wait", None)
@@ -54,6 +62,10 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     try:
         clock = time.perf_counter
         for batch in batches:
+            if done == split and prepare is not None:
+                ts = clock()
+                prepare(batches[split:])
+                late = clock() - ts
             ts = clock()
             backend.launch(batch)
             if calibrate:
@@ -87,15 +99,16 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     finally:
         graph.executing = False
         t2 = time.perf_counter()
+        analysis, execution = t1 - t0 + late, t2 - t1 - late
         STATS.add(flushes=1, forced_flushes=int(forced), auto_flushes=int(reason == "limit"),
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
-                  analysis_seconds=t1 - t0, execute_seconds=t2 - t1)
+                  analysis_seconds=analysis, execute_seconds=execution)
     if policy == "auto":
-        cost.MODEL.observe(chosen, len(nodes), t1 - t0, len(batches), t2 - t1, groups,
+        cost.MODEL.observe(chosen, len(nodes), analysis, len(batches), execution, groups,
                            calibrated=calibrate)
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
-                          "launches": len(batches), "analysis_seconds": t1 - t0,
-                          "execute_seconds": t2 - t1, "predicted": predicted,
+                          "launches": len(batches), "analysis_seconds": analysis,
+                          "execute_seconds": execution, "predicted": predicted,
                           "calibrated": calibrate, "reason": reason})

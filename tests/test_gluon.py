@@ -31,6 +31,24 @@ def test_identical_trees_take_one_launch_per_level(policy, depth):
     assert st["launches"] == depth + 1
 
 
+def test_later_gathers_are_planned_after_the_first_launches(monkeypatch):
+    # the first two launches are planned and issued before the rest is planned,
+    # so their kernels run meanwhile; the planning still counts as analysis
+    from jitbatch.gluon import backend
+    events = []
+    prep, launch = backend.Backend.prepare, backend.Backend.launch
+    monkeypatch.setattr(backend.Backend, "prepare", staticmethod(
+        lambda batches: events.append(("plan", len(batches))) or prep(batches)))
+    monkeypatch.setattr(backend.Backend, "launch", staticmethod(
+        lambda batch: events.append(("launch",)) or launch(batch)))
+    outs, st = _binary(5, 3, "depth")
+    assert events == [("plan", 2), ("launch",), ("launch",), ("plan", 4)] + [("launch",)] * 4
+    assert st["launches"] == 6 and st["analysis_seconds"] > 0
+    events.clear()
+    _binary(3, 3, "depth")                   # 4 launches: too few to split
+    assert events == [("plan", 4)] + [("launch",)] * 4
+
+
 def test_sequential_takes_one_launch_per_node():
     _, st = _binary(3, 4, "sequential")
     assert st["launches"] == st["nodes"] == 4 * 8
@@ -303,6 +321,59 @@ def test_failure_in_merged_execution_names_site_and_recovers():
     assert np.array_equal(net.weight.data().asnumpy(), before)
     again = net(nd.ones((1, 2)))
     assert np.allclose(again.asnumpy(), good.asnumpy())
+
+
+class _Reads(gluon.Block):
+    """12 rows from each of two launches; a few heads read a handful of them."""
+
+    def __init__(self, reads, **kw):
+        super().__init__(**kw)
+        self.reads = reads
+        with self.name_scope():
+            self.f = nn.Dense(3, in_units=2)
+            self.g = nn.Dense(3, in_units=2, activation="tanh")
+            self.h = nn.Dense(1, in_units=3)
+
+    def forward(self, x):
+        fs = [self.f(x[i:i + 1]) for i in range(12)]
+        gs = [self.g(x[i:i + 1]) for i in range(12)]
+        src = {"f": fs, "g": gs}
+        return [self.h(nd.concat(*[src[k][i] for k, i in rows], dim=0)) for rows in self.reads]
+
+
+@pytest.mark.parametrize("reads, parts", [
+    ([[("f", 0), ("g", 5)], [("f", 7), ("g", 2)]], ["take", "take", "perm"]),   # interleaved
+    ([[("f", 3), ("f", 4)], [("g", 9), ("g", 1)]], ["slice", "take"]),          # in order
+])
+def test_sparse_reads_of_large_launches_take_before_concatenating(monkeypatch, reads, parts):
+    # the heads read 4 of 24 rows: each launch's rows are taken (or viewed) first,
+    # not both launches concatenated whole; same outputs and gradients as plain Gluon
+    from jitbatch.gluon import backend
+    kinds = []
+    orig = backend.run_gather
+
+    def spy(plan, idx):
+        if plan.kind == "take_concat":
+            kinds.append([how for how, _, _ in plan.values] +
+                         (["perm"] if plan.stop > plan.start else []))
+        return orig(plan, idx)
+    monkeypatch.setattr(backend, "run_gather", spy)
+    net = _Reads(reads)
+    net.initialize(mx.init.Uniform(0.5))
+    x = nd.array(np.random.default_rng(3).normal(size=(12, 2)))
+
+    def go(flag):
+        net.hybridize(dynamic_batch=True, policy="agenda") if flag else net.hybridize(active=False)
+        for p in net.collect_params().values():
+            p.zero_grad()
+        with autograd.record():
+            ys = net(x)
+            total = nd.add_n(*[nd.sum(y * y) for y in ys])
+        total.backward()
+        return [y.asnumpy() for y in ys], {k: p.grad().asnumpy().copy()
+                                           for k, p in net.collect_params().items()}
+    assert_same(go(False), go(True))
+    assert kinds == [parts]
 
 
 def test_auto_times_launches_only_on_calibrating_flushes(monkeypatch):

@@ -74,7 +74,8 @@ def _leaves(v, out):
 
 class Plan(object):
     """How one argument of one batch is gathered: ``kind`` is 'id' (the source
-    as is), 'slice', 'take', 'concat', 'concat_take' or 'each' (per sample)."""
+    as is), 'slice', 'take', 'concat', 'concat_take', 'take_concat' (``values``:
+    per source its slice or take) or 'each' (per sample)."""
     __slots__ = ("kind", "srcs", "start", "stop", "want", "values", "have")
 
     def __init__(self, kind, srcs, start, stop, want, values=None, have=None):
@@ -169,6 +170,12 @@ def plan_gather(values, shape, index, sizes):
         # each segment is a whole source, used once, in order
         return Plan("concat", [x[0] for x in srcs.values()], 0, 0, want,
                     have=(sum(x[1] for x in srcs.values()),) + rs)
+    total = 0
+    for _, full in srcs.values():
+        total += full
+    taken = len(keys) if ones else sum(counts)
+    if total > 3 * taken:
+        return _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index)
     offsets, off = {}, 0
     for key, (_, full) in srcs.items():
         offsets[key] = off
@@ -182,6 +189,49 @@ def plan_gather(values, shape, index, sizes):
             index.extend(range(base, base + c))
     return Plan("concat_take", [x[0] for x in srcs.values()], a, len(index), want,
                 have=(len(index) - a,) + rs)
+
+
+def _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index):
+    """Gather from sources much larger than the rows read (e.g. the leaf launch of
+    a whole minibatch, read by every later level): take each source's rows first
+    (a view where they are one range), concatenate those, and permute into
+    sample order only if the sources interleave. Copies at most 3x the rows read
+    where ``concat`` + ``take`` copies every source whole."""
+    per = {}        # key -> its rows, in first-use order (the order of srcs)
+    where = []      # per segment: (key, its position among that source's rows)
+    for key, s, c in zip(keys, starts, counts):
+        rows = per.get(key)
+        if rows is None:
+            rows = per[key] = []
+        where.append((key, len(rows)))
+        if c == 1:
+            rows.append(s)
+        else:
+            rows.extend(range(s, s + c))
+    base, off, parts = {}, 0, []
+    for key, rows in per.items():
+        base[key] = off
+        off += len(rows)
+        first = rows[0]
+        if rows[-1] - first == len(rows) - 1 and rows == list(range(first, first + len(rows))):
+            parts.append(("slice", first, first + len(rows)))
+        else:
+            a = len(index)
+            index.extend(rows)
+            parts.append(("take", a, len(index)))
+    if ones:
+        perm = [base[key] + o for key, o in where]
+    else:
+        perm = []
+        for (key, o), c in zip(where, counts):
+            b = base[key] + o
+            perm.extend(range(b, b + c))
+    a = b = len(index)
+    if perm != list(range(len(perm))):
+        index.extend(perm)
+        b = len(index)
+    return Plan("take_concat", [srcs[key][0] for key in per], a, b, want, parts,
+                have=(len(perm),) + rs)
 
 
 def _ragged_want(values, shape, sizes):
@@ -258,6 +308,15 @@ def run_gather(plan, index_nd):
     elif kind == "concat_take":
         out = _take(_concat([_src(s) for s in plan.srcs]),
                     _rows(index_nd, plan.start, plan.stop))
+    elif kind == "take_concat":
+        parts = []
+        for s, (how, a, b) in zip(plan.srcs, plan.values):
+            src = _src(s)
+            parts.append(_rows(src, a, b) if how == "slice" else
+                         _take(src, _rows(index_nd, a, b)))
+        out = _concat(parts) if len(parts) > 1 else parts[0]
+        if plan.stop > plan.start:
+            out = _take(out, _rows(index_nd, plan.start, plan.stop))
     else:
         # mixed producers whose row shapes differ (e.g. a squeezed view beside a
         # plain array): bring each sample to its own array, then concatenate
