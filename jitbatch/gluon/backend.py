@@ -174,7 +174,7 @@ def plan_gather(values, shape, index, sizes):
     for _, full in srcs.values():
         total += full
     taken = len(keys) if ones else sum(counts)
-    if total > 3 * taken:
+    if total > _SPARSE * taken:
         return _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index)
     offsets, off = {}, 0
     for key, (_, full) in srcs.items():
@@ -189,6 +189,9 @@ def plan_gather(values, shape, index, sizes):
             index.extend(range(base, base + c))
     return Plan("concat_take", [x[0] for x in srcs.values()], a, len(index), want,
                 have=(len(index) - a,) + rs)
+
+
+_SPARSE = 3   # sources over this many times the rows read are taken from first
 
 
 def _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index):
