@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+.venv/bin/python -c "import jitbatch; m = jitbatch.compiled_modules(); print('jitbatch: %d of %d modules compiled%s' % (len(m), len(jitbatch._compiled.MODULES), '' if m else ' (pure Python)'))"
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q "$@"
