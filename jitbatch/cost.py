@@ -6,9 +6,9 @@ measurements):
 
 * per signature, launch time as a function of its rows: a least-squares line
   ``a + b * rows`` over the launches of *calibrating* flushes (the 2nd and 3rd
-  flush under 'auto', every 64th, and the first after a signature's first
-  run), which wait for each launch's kernels (a calibrating flush costs ~20%
-  more: the Python side no longer runs ahead of the kernels)
+  flush under 'auto', then every 64th), which wait for each launch's kernels
+  (a calibrating flush costs ~20% more: Python no longer runs ahead of the
+  kernels); a signature not timed yet is predicted by the mean per launch
   and time gathers, call, kernels and bookkeeping; the mean per launch until
   rows have varied. Other flushes do not wait: MXNet computes asynchronously,
   so timing them on the Python side would leave out the kernels (it did, and
@@ -35,15 +35,13 @@ class Model(object):
         self.agenda_ratio = 0.7      # agenda launches / depth groups
         self._measured = set()       # which priors a measurement has replaced
         self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
-        self.untimed = False         # the last choose() saw a run but never timed signature
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
-        and 3rd (the 1st pays first-call costs), every 64th, and any flush with
-        a signature that has run before but was never timed (a new block, or an
-        old one in a new autograd mode: until then it is predicted by the mean)."""
+        and 3rd (the 1st pays first-call costs), then every 64th. A signature
+        not timed yet is predicted by the mean over the timed launches."""
         self.flushes += 1
-        return self.untimed or self.flushes in (2, 3) or self.flushes % 64 == 0
+        return self.flushes in (2, 3) or self.flushes % 64 == 0
 
     def _update(self, name, old, new):
         if name not in self._measured:
@@ -94,13 +92,6 @@ class Model(object):
         """Return ``(policy, reason, predictions, depth group count)``."""
         n = len(nodes)
         groups = self.depth_groups(nodes)
-        untimed = False
-        for first, _ in groups.values():
-            info = first.info
-            if info.runs and not info.launches:
-                untimed = True
-                break
-        self.untimed = untimed
         if n <= 1 or len(groups) == n:
             return "sequential", "no two nodes can run together: nothing to merge", {}, len(groups)
         lc = self.launch_cost

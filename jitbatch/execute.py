@@ -68,7 +68,6 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
                 late = clock() - ts
             ts = clock()
             backend.launch(batch)
-            batch[0].info.runs += 1
             if calibrate:
                 wait(batch)
                 dt = clock() - ts

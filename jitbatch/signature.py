@@ -11,7 +11,7 @@ class SigInfo(object):
     one row; ``batchable`` False means nodes run one launch each (no batching
     rule)."""
     __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
-                 "launch_rows", "launches", "launch_rr", "launch_cr", "runs")
+                 "launch_rows", "launches", "launch_rr", "launch_cr")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
         self.id = sid
@@ -26,7 +26,6 @@ class SigInfo(object):
         self.launches = 0
         self.launch_rr = 0       # sum of rows^2 and of seconds*rows: a least-squares
         self.launch_cr = 0.0     # line of launch time against rows (cost.Model)
-        self.runs = 0            # launches of any flush (the timed ones: ``launches``)
 
 
 class SignatureTable(object):
