@@ -36,9 +36,11 @@ def uninstall():
 
 
 def flush():
-    """Compute everything pending in this thread's graph."""
-    from .gluon import backend
+    """Compute everything pending in this thread's graph (and ask MXNet for the
+    autograd state again at the next record: see Known limits in docs/design.rst)."""
+    from .gluon import backend, hook
     backend.flush_graph(current_graph(), reason="flush")
+    hook.forget_mode()
 
 
 def stats():

@@ -154,6 +154,27 @@ def test_each_node_keeps_the_autograd_state_of_its_own_call():
     assert len({want for _, want in seen}) == 4     # every state was exercised
 
 
+def test_flush_drops_the_kept_autograd_state():
+    # a state change that bypasses MXNet's Python setters (here the C API) is seen
+    # after jitbatch.flush(), as docs/design.rst says
+    import ctypes
+    from mxnet.base import _LIB
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    net(nd.ones((1, 2)))                          # keeps (False, False)
+    prev = ctypes.c_int()
+    _LIB.MXAutogradSetIsTraining(ctypes.c_int(1), ctypes.byref(prev))
+    try:
+        jitbatch.flush()
+        net(nd.ones((1, 2)))
+        assert jitbatch.current_graph().nodes[-1].mode == (False, True)
+    finally:
+        _LIB.MXAutogradSetIsTraining(prev, ctypes.byref(ctypes.c_int()))
+        jitbatch.flush()
+    assert not autograd.is_training()
+
+
 def test_lazy_arrays_context_is_an_equal_context():
     net = nn.Dense(2, in_units=2)
     net.initialize()

@@ -77,6 +77,11 @@ def _mode():
     return m
 
 
+def forget_mode():
+    """Drop this thread's kept autograd state (read again at the next record)."""
+    _modes.mode = None
+
+
 def _forget_mode(setter):
     """Wrap an MXNet autograd-state setter so this thread asks again after it."""
     @_wraps(setter)
