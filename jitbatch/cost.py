@@ -7,11 +7,11 @@ measurements):
 * per signature, launch time as a function of its rows: a least-squares line
   ``a + b * rows`` over the launches of *calibrating* flushes (the 2nd and 3rd
   flush under 'auto', then every 64th), which wait for each launch's kernels
-  (a calibrating flush costs ~20% more: Python no longer runs ahead of the
-  kernels); a signature not timed yet is predicted by the mean per launch
-  and time gathers, call, kernels and bookkeeping; the mean per launch until
-  rows have varied. Other flushes do not wait: MXNet computes asynchronously,
-  so timing them on the Python side would leave out the kernels (it did, and
+  and so time gathers, call, kernels and bookkeeping (a calibrating flush costs
+  ~20% more: Python no longer runs ahead of the kernels); the mean per launch
+  until rows have varied, and the mean over all timed launches for a signature
+  not timed yet. Other flushes do not wait: MXNet computes asynchronously, so
+  timing them on the Python side would leave out the kernels (it did, and
   'auto' then preferred cheaper analysis over fewer launches where the fewer
   launches were measured 10% faster);
 * per policy, analysis seconds per node (scheduling and gather planning);

@@ -82,7 +82,7 @@ def forget_mode():
     _modes.mode = None
 
 
-def _forget_mode(setter):
+def _drops_mode(setter):
     """Wrap an MXNet autograd-state setter so this thread asks again after it."""
     @_wraps(setter)
     def wrapper(*args, **kwargs):
@@ -689,7 +689,7 @@ def install():
     for owner, names in ((autograd, ("set_recording", "set_training")),
                          (_contrib_autograd, ("set_is_training",))):
         for name in names:
-            _set(owner, name, _forget_mode(getattr(owner, name)))
+            _set(owner, name, _drops_mode(getattr(owner, name)))
     if not _ROWS_OPS:
         _init_rows_ops()
     _STACK["orig"] = _ndmod.stack
