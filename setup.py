@@ -2,23 +2,23 @@
 ``.py`` sources when Cython and a C compiler are there (JITBATCH_PURE=1 skips
 it); a failed compile leaves the pure-Python package, which behaves the same.
 See jitbatch/_compiled.py."""
-import hashlib
+import importlib.util
 import os
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the list lives in jitbatch/_compiled.py (read as text: importing jitbatch needs MXNet)
-_ns = {}
-with open(os.path.join(HERE, "jitbatch", "_compiled.py")) as _f:
-    _src = _f.read()
-exec(_src[_src.index("MODULES = "):_src.index(")", _src.index("MODULES = ")) + 1], _ns)
-MODULES = _ns["MODULES"]
+# jitbatch/_compiled.py needs only the standard library (importing the package
+# itself would need MXNet): its module list, source paths and hash are used here
+_spec = importlib.util.spec_from_file_location(
+    "_jitbatch_compiled", os.path.join(HERE, "jitbatch", "_compiled.py"))
+compiled = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compiled)
 
 
 def source(name):
-    return os.path.join(*name.split(".")) + ".py"
+    return os.path.relpath(compiled.source_of(name), HERE)
 
 
 class BuildExt(build_ext):
@@ -30,21 +30,19 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             path = self.get_ext_fullpath(ext.name)
             if os.path.exists(path):
-                with open(os.path.join(HERE, source(ext.name)), "rb") as f:
-                    digest = hashlib.sha256(f.read()).hexdigest()
                 leaf = ext.name.rsplit(".", 1)[1]
                 with open(os.path.join(os.path.dirname(path), leaf + ".built"), "w") as f:
-                    f.write(digest + "\n")
+                    f.write(compiled.digest(compiled.source_of(ext.name)) + "\n")
 
 
 def extensions():
-    if os.environ.get("JITBATCH_PURE", "") not in ("", "0"):
+    if compiled.pure():
         return []
     try:
         from Cython.Build import cythonize
     except ImportError:
         return []
-    exts = [Extension(m, [source(m)], optional=True) for m in MODULES]
+    exts = [Extension(m, [source(m)], optional=True) for m in compiled.MODULES]
     return cythonize(exts, quiet=True, compiler_directives={"language_level": 3, "binding": True})
 
 

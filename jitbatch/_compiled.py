@@ -26,6 +26,11 @@ MODULES = ("jitbatch.graph", "jitbatch.schedule", "jitbatch.execute", "jitbatch.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pure():
+    """True when ``JITBATCH_PURE`` asks for the Python sources only."""
+    return os.environ.get("JITBATCH_PURE", "") not in ("", "0")
+
+
 def source_of(name):
     return os.path.join(_ROOT, *name.split(".")) + ".py"
 
@@ -57,14 +62,14 @@ class _Sources(importlib.abc.MetaPathFinder):
 
 def choose():
     """Decide, before any of them is imported, which modules run from source."""
-    pure = os.environ.get("JITBATCH_PURE", "") not in ("", "0")
+    every = pure()
     sources, stale = {}, []
     for name in MODULES:
         ext = extension_of(name)
         if ext is None:
             continue
         py = source_of(name)
-        if pure:
+        if every:
             sources[name] = py
             continue
         try:

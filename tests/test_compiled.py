@@ -34,8 +34,7 @@ def _fresh():
 
 
 def test_every_current_build_is_used_and_nothing_else():
-    pure = os.environ.get("JITBATCH_PURE", "") not in ("", "0")
-    assert jitbatch.compiled_modules() == ([] if pure else _fresh())
+    assert jitbatch.compiled_modules() == ([] if _compiled.pure() else _fresh())
 
 
 @needs_build

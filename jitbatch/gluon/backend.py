@@ -42,15 +42,11 @@ def flat_shape(shape, n):
     return (n * shape[0],) + tuple(shape[1:])
 
 
-def rows_of(shape):
-    return shape[0] if shape else 1
-
-
 def extent(node, k):
     """(first row, rows, rows of the whole launch output) of one node's output k
-    within its batch's flat output."""
+    within its batch's flat output (``plan_gather`` inlines the same)."""
     if node.rows is None:
-        b = rows_of(node.info.out_meta[k][0])
+        b = node.info.out_rows[k][0]
         return node.row * b, b, node.group.size * b
     return node.off, node.rows, node.group.rows
 
@@ -170,9 +166,7 @@ def plan_gather(values, shape, index, sizes):
         # each segment is a whole source, used once, in order
         return Plan("concat", [x[0] for x in srcs.values()], 0, 0, want,
                     have=(sum(x[1] for x in srcs.values()),) + rs)
-    total = 0
-    for _, full in srcs.values():
-        total += full
+    total = sum(full for _, full in srcs.values())
     taken = len(keys) if ones else sum(counts)
     if total > _SPARSE * taken:
         return _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index)
