@@ -366,7 +366,9 @@ class _Reads(gluon.Block):
     ([[("f", 0), ("g", 5)], [("f", 7), ("g", 2)]], ["take", "take", "perm"]),   # interleaved
     ([[("f", 3), ("f", 4)], [("g", 9), ("g", 1)]], ["slice", "take"]),          # in order
 ])
-def test_sparse_reads_of_large_launches_take_before_concatenating(monkeypatch, reads, parts):
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_sparse_reads_of_large_launches_take_before_concatenating(monkeypatch, reads, parts,
+                                                                  policy):
     # the heads read 4 of 24 rows: each launch's rows are taken (or viewed) first,
     # not both launches concatenated whole; same outputs and gradients as plain Gluon
     from jitbatch.gluon import backend
@@ -384,7 +386,7 @@ def test_sparse_reads_of_large_launches_take_before_concatenating(monkeypatch, r
     x = nd.array(np.random.default_rng(3).normal(size=(12, 2)))
 
     def go(flag):
-        net.hybridize(dynamic_batch=True, policy="agenda") if flag else net.hybridize(active=False)
+        net.hybridize(dynamic_batch=True, policy=policy) if flag else net.hybridize(active=False)
         for p in net.collect_params().values():
             p.zero_grad()
         with autograd.record():
