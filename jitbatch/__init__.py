@@ -20,7 +20,7 @@ from .stats import STATS
 __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "POLICIES",
            "LazyArray", "JitBatchError", "FlagError", "BatchingError", "ExecutionError",
-           "StaleValueError", "is_lazy", "compiled_modules"]
+           "StaleValueError", "is_lazy", "compiled_modules", "zero_pad"]
 
 
 def install():
@@ -33,6 +33,14 @@ def uninstall():
     """Flush this thread's pending graph and restore MXNet's own methods."""
     from .gluon import hook
     hook.uninstall()
+
+
+def zero_pad(block, **axes):
+    """Declare inputs of ``block`` zero-paddable along an axis, e.g.
+    ``jitbatch.zero_pad(cell, ch=1, cc=1)``: calls that differ only in those
+    sizes then merge into one launch. See ``jitbatch.gluon.hook.zero_pad``."""
+    from .gluon import hook
+    return hook.zero_pad(block, **axes)
 
 
 def flush():

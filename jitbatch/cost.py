@@ -75,6 +75,55 @@ class Model(object):
         return a + b * rows
 
     @staticmethod
+    def observe_padded(info, rows, units, seconds):
+        """One timed launch of a zero-padded signature: ``rows`` nodes padded to
+        ``units`` = rows x the largest size (sums for a least-squares plane)."""
+        f = info.pad_fit
+        if f is None:
+            f = info.pad_fit = [0.0] * 9
+        f[0] += 1
+        f[1] += rows
+        f[2] += units
+        f[3] += seconds
+        f[4] += rows * rows
+        f[5] += rows * units
+        f[6] += units * units
+        f[7] += seconds * rows
+        f[8] += seconds * units
+
+    def pad_costs(self, info):
+        """(fixed seconds per launch, seconds per padded unit) of a zero-padded
+        signature: the plane ``a + b * rows + c * units`` fitted to its timed
+        launches (units: rows x the launch's largest size), or None while the
+        launches timed so far cannot tell ``c`` apart (then nothing is split:
+        padding all into one launch is what ran before). ``b`` is the same for
+        every split of a batch and drops out."""
+        f = info.pad_fit
+        if f is None or f[0] < 4:
+            return None
+        m = [[f[0], f[1], f[2], f[3]],
+             [f[1], f[4], f[5], f[7]],
+             [f[2], f[5], f[6], f[8]]]
+        det = (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+               - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+               + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+        if det <= 1e-9 * m[0][0] * m[1][1] * m[2][2]:
+            return None     # rows and units moved together: no padding cost seen
+        for col in range(3):                 # Gaussian elimination, partial pivoting
+            piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            m[col], m[piv] = m[piv], m[col]
+            for r in range(3):
+                if r != col:
+                    q = m[r][col] / m[col][col]
+                    for c in range(col, 4):
+                        m[r][c] -= q * m[col][c]
+        a = m[0][3] / m[0][0]
+        c = m[2][3] / m[2][2]
+        if c <= 0:
+            return None
+        return max(a, 0.0), c
+
+    @staticmethod
     def depth_groups(nodes):
         """{(depth, signature): [first node, node count]} - the launches of
         depth grouping and their sizes."""

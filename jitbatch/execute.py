@@ -34,6 +34,11 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     if policy == "auto":
         chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
     batches = schedule.SCHEDULERS[chosen](nodes)
+    padding = None
+    for batch in batches:
+        if batch[0].info.padsize is not None:
+            batches, padding = _split_padded(batches)
+            break
     for batch in batches:
         g = Group(len(batch))
         off = 0
@@ -66,13 +71,18 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
                 ts = clock()
                 prepare(batches[split:])
                 late = clock() - ts
+            if calibrate:
+                info = batch[0].info
+                size = info.padsize
+                units = len(batch) * max([size(n) for n in batch]) if size is not None else 0
             ts = clock()
             backend.launch(batch)
             if calibrate:
                 wait(batch)
                 dt = clock() - ts
-                info = batch[0].info
                 rows = len(batch)
+                if size is not None:
+                    cost.MODEL.observe_padded(info, rows, units, dt)
                 info.launch_cost += dt
                 info.launches += 1
                 info.launch_rows += rows
@@ -111,4 +121,34 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": analysis,
                           "execute_seconds": execution, "predicted": predicted,
-                          "calibrated": calibrate, "reason": reason})
+                          "calibrated": calibrate, "reason": reason, "padding": padding})
+
+
+def _split_padded(batches):
+    """Split the batches of zero-padded signatures by size where the cost model
+    says a launch costs more in padding than it saves (see
+    schedule.split_padded). Returns the batches and, for stats, per padded
+    signature its launches before and after, padded units and the prices used."""
+    out = []
+    report = {}
+    for batch in batches:
+        info = batch[0].info
+        if info.padsize is None:
+            out.append(batch)
+            continue
+        r = report.get(info.name)
+        if r is None:
+            prices = cost.MODEL.pad_costs(info)
+            r = report[info.name] = {"batches": 0, "launches": 0, "rows": 0, "units": 0,
+                                     "fixed_s": prices and prices[0],
+                                     "per_unit_s": prices and prices[1]}
+        prices = (r["fixed_s"], r["per_unit_s"]) if r["per_unit_s"] else None
+        parts = schedule.split_padded(batch, *prices) if prices and len(batch) > 1 else [batch]
+        size = info.padsize
+        for part in parts:
+            r["units"] += len(part) * max([size(n) for n in part])
+        r["batches"] += 1
+        r["launches"] += len(parts)
+        r["rows"] += len(batch)
+        out.extend(parts)
+    return out, report

@@ -86,6 +86,54 @@ def by_agenda(nodes):
     return out
 
 
+def split_padded(batch, fixed, per_unit):
+    """Split a batch of a zero-padded signature into launches by size, where that
+    pays: each launch pads its nodes to its largest size ``k``; a launch costs
+    ``fixed`` plus ``per_unit`` per padded unit (``nodes x k``). The sizes are
+    sorted and cut into consecutive runs by dynamic programming (exact: an
+    optimal split never interleaves sizes). Returns the launches, smallest
+    sizes first; one launch when merging everything is cheapest."""
+    size = batch[0].info.padsize
+    by = {}
+    for n in batch:
+        k = size(n)
+        g = by.get(k)
+        if g is None:
+            by[k] = [n]
+        else:
+            g.append(n)
+    if len(by) == 1:
+        return [batch]
+    ks = sorted(by)
+    m = len(ks)
+    counts = [len(by[k]) for k in ks]
+    best = [0.0] * (m + 1)      # best[j]: cost of the first j sizes
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        n = 0
+        bj = None
+        for i in range(j - 1, -1, -1):      # last run: sizes i..j-1, padded to ks[j-1]
+            n += counts[i]
+            c = best[i] + fixed + per_unit * n * ks[j - 1]
+            if bj is None or c < bj:
+                bj, cut[j] = c, i
+        best[j] = bj
+    runs = []
+    j = m
+    while j:
+        runs.append((cut[j], j))
+        j = cut[j]
+    if len(runs) == 1:
+        return [batch]
+    out = []
+    for i, j in reversed(runs):
+        part = []
+        for k in ks[i:j]:
+            part.extend(by[k])
+        out.append(part)
+    return out
+
+
 def sequential(nodes):
     """One launch per node in record order: what per-sample execution does, with
     no analysis at all (the choice when nothing can be merged)."""

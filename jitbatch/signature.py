@@ -9,9 +9,12 @@ class SigInfo(object):
     ``(shape, dtype)`` per output (per-sample shapes); ``out_rows`` per output
     its rows per sample (None: ragged, each node has its own) and the shape of
     one row; ``batchable`` False means nodes run one launch each (no batching
-    rule)."""
+    rule). ``padsize`` is None, or for a signature whose calls differ in a
+    zero-paddable size (``jitbatch.zero_pad``) a function giving a node's size:
+    a launch pads every node to its largest, and ``pad_fit`` sums what the cost
+    model needs to price that padding (``cost.Model.pad_costs``)."""
     __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
-                 "launch_rows", "launches", "launch_rr", "launch_cr")
+                 "launch_rows", "launches", "launch_rr", "launch_cr", "padsize", "pad_fit")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
         self.id = sid
@@ -26,6 +29,18 @@ class SigInfo(object):
         self.launches = 0
         self.launch_rr = 0       # sum of rows^2 and of seconds*rows: a least-squares
         self.launch_cr = 0.0     # line of launch time against rows (cost.Model)
+        self.padsize = None
+        self.pad_fit = None
+
+    def inherit(self, old):
+        """Take over ``old``'s launch measurements (the same call re-traced, e.g.
+        after ``hybridize()`` again: new signature, same costs)."""
+        self.launch_cost = old.launch_cost
+        self.launch_rows = old.launch_rows
+        self.launches = old.launches
+        self.launch_rr = old.launch_rr
+        self.launch_cr = old.launch_cr
+        self.pad_fit = list(old.pad_fit) if old.pad_fit is not None else None
 
 
 class SignatureTable(object):

@@ -54,6 +54,15 @@ def childsum_model(vocab=50, embed=8, hidden=6):
     return net
 
 
+def childsum_padded_model(vocab=50, embed=8, hidden=6):
+    """The flagship model with the cell's child axis declared zero-paddable:
+    nodes with different child counts share launches."""
+    import jitbatch
+    net = childsum_model(vocab, embed, hidden)
+    jitbatch.zero_pad(net.encoder.cell, ch=1, cc=1)
+    return net
+
+
 def childsum_samples(rng, n, vocab=50):
     out = []
     for _ in range(n):
@@ -205,6 +214,7 @@ def dag_apply(net, s):
 
 MODELS = {
     "childsum": (childsum_model, childsum_samples, childsum_apply),
+    "childsum_padded": (childsum_padded_model, childsum_samples, childsum_apply),
     "binary": (binary_model, binary_samples, binary_apply),
     "gru": (seq_model, seq_samples, seq_apply),
     "dag": (dag_model, dag_samples, dag_apply),

@@ -72,9 +72,9 @@ class Plan(object):
     """How one argument of one batch is gathered: ``kind`` is 'id' (the source
     as is), 'slice', 'take', 'concat', 'concat_take', 'take_concat' (``values``:
     per source its slice or take) or 'each' (per sample)."""
-    __slots__ = ("kind", "srcs", "start", "stop", "want", "values", "have")
+    __slots__ = ("kind", "srcs", "start", "stop", "want", "values", "have", "pad")
 
-    def __init__(self, kind, srcs, start, stop, want, values=None, have=None):
+    def __init__(self, kind, srcs, start, stop, want, values=None, have=None, pad=None):
         self.kind = kind
         self.srcs = srcs
         self.start = start
@@ -82,6 +82,28 @@ class Plan(object):
         self.want = want
         self.values = values
         self.have = have      # the gathered shape, when known without asking MXNet
+        self.pad = pad        # 'each' of a zero-padded argument: (axis, its size)
+
+
+class _Pad(object):
+    """A run of zero rows in a zero-padded argument: the first ``count`` rows of
+    ``zeros`` (a constant of shape ``shape``)."""
+    __slots__ = ("zeros", "count", "shape")
+
+    def __init__(self, zeros, count, shape):
+        self.zeros = zeros
+        self.count = count
+        self.shape = shape
+
+
+class _View(object):
+    """A concrete array read as rows of another shape: reshaped when the gather
+    runs (in the launch's autograd scope, so gradients reach the array)."""
+    __slots__ = ("arr", "shape")
+
+    def __init__(self, arr, shape):
+        self.arr = arr
+        self.shape = shape
 
 
 def plan_gather(values, shape, index, sizes):
@@ -100,13 +122,29 @@ def plan_gather(values, shape, index, sizes):
             leaves.append(v)
     want = flat_shape(shape, len(values)) if shape[0] is not None else \
         _ragged_want(values, shape, sizes)
+    return _plan_leaves(leaves, values, want, index, sizes)
+
+
+def _plan_leaves(leaves, values, want, index, sizes):
+    """``plan_gather`` once the values are split into their segments of rows
+    (``leaves``: lazy arrays, concrete arrays, ``_View`` and ``_Pad`` runs)."""
     keys, starts, counts = [], [], []
     srcs = {}          # key -> (source, its rows), in first-use order
     rs = None          # the row shape every segment must share
     ones = whole = True
     for v in leaves:
-        node = v._node if type(v) is LazyArray else None
-        if node is None or node is DETACHED:
+        t = type(v)
+        node = v._node if t is LazyArray else None
+        if t is _Pad or t is _View:
+            z = v.zeros if t is _Pad else v
+            key = id(z)
+            start = 0
+            full = v.shape[0]
+            count = v.count if t is _Pad else full
+            if key not in srcs:
+                srcs[key] = (z, full)
+            r = v.shape[1:]
+        elif node is None or node is DETACHED:
             arr = v if node is None else v._value
             key = id(arr)
             shp = sizes.get(key)
@@ -231,6 +269,108 @@ def _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index):
                 have=(len(perm),) + rs)
 
 
+def plan_padded(values, shape, axis, index, sizes):
+    """Plan the gather of an argument declared zero-paddable along ``axis``
+    (``jitbatch.zero_pad``): every sample is padded with zeros to the largest
+    size along ``axis`` in the batch. When the axes before ``axis`` have size 1,
+    a sample is its rows of shape ``shape[axis + 1:]`` followed by zero rows, and
+    the gather is planned like any other (the zero rows come from one constant);
+    otherwise each sample is padded on its own."""
+    ks = []
+    for v in values:
+        if type(v) is LazyArray:
+            ks.append(v._shape[axis])
+        else:
+            shp = sizes.get(id(v))
+            if shp is None:
+                shp = sizes[id(v)] = v.shape
+            ks.append(shp[axis])
+    kmax = max(ks)
+    full = tuple(shape[:axis]) + (kmax,) + tuple(shape[axis + 1:])
+    if min(ks) == kmax:
+        return plan_gather(values, full, index, sizes)
+    want = flat_shape(full, len(values))
+    unit = tuple(shape[axis + 1:])
+    leaves = []
+    if all(d == 1 for d in shape[:axis]):
+        first = values[0]
+        dtype, ctx = first.dtype, first.context
+        zeros = _zeros(kmax, unit, dtype, ctx)
+        zshape = tuple(zeros.shape)
+        views = sizes.setdefault("views", {})
+        for v, k in zip(values, ks):
+            if not _unit_leaves(v, unit, leaves, views):
+                leaves = None
+                break
+            if k < kmax:
+                leaves.append(_Pad(zeros, kmax - k, zshape))
+    if leaves is not None:
+        plan = _plan_leaves(leaves, values, want, index, sizes)
+        if plan.kind != "each":
+            return plan
+    return Plan("each", None, 0, 0, want, list(values), pad=(axis, kmax))
+
+
+def _unit_leaves(v, unit, out, views):
+    """Append ``v``'s segments as rows of shape ``unit``; False if one is not."""
+    if type(v) is LazyArray:
+        node = v._node
+        if type(node) is Composite:
+            parts = []
+            _leaves(v, parts)
+            for p in parts:
+                if not _unit_leaves(p, unit, out, views):
+                    return False
+            return True
+        if node is not DETACHED:
+            if node.info.out_rows[v._k][1] != unit or (v._view is not None and v._view[2]):
+                return False
+            out.append(v)
+            return True
+        v = v._value
+    shp = v.shape
+    if tuple(shp[1:]) == unit:
+        out.append(v)
+        return True
+    size = 1
+    for d in shp:
+        size *= d
+    per = 1
+    for d in unit:
+        per *= d
+    if per == 0 or size % per:
+        return False
+    view = _View(v, (size // per,) + unit)
+    views[id(v)] = (v, view)
+    out.append(view)
+    return True
+
+
+_ZEROS = {}
+
+
+def _zeros(rows, unit, dtype, ctx):
+    """A constant block of at least ``rows`` zero rows (cached per row shape,
+    dtype and context; never written, so launches may read it concurrently)."""
+    key = (unit, np.dtype(dtype).name, ctx)
+    z = _ZEROS.get(key)
+    if z is None or z.shape[0] < rows:
+        z = _ZEROS[key] = nd.zeros((max(rows, 8),) + unit, ctx=ctx, dtype=dtype)
+    return z
+
+
+def _padded(part, shape, pad):
+    """One sample's array zero-padded along ``pad[0]`` to size ``pad[1]``."""
+    axis, kmax = pad
+    if tuple(part.shape) != tuple(shape):
+        part = _reshape(part, tuple(shape))
+    k = shape[axis]
+    if k == kmax:
+        return part
+    zshape = tuple(shape[:axis]) + (kmax - k,) + tuple(shape[axis + 1:])
+    return nd.concat(part, nd.zeros(zshape, ctx=part.context, dtype=part.dtype), dim=axis)
+
+
 def _ragged_want(values, shape, sizes):
     """The flat shape of ragged values: each brings its own leading length
     (``sizes``: id -> shape of the concrete arrays seen so far in this flush)."""
@@ -287,8 +427,11 @@ def _reshape(arr, shape):
 
 
 def _src(s):
-    if type(s) is tuple:
+    t = type(s)
+    if t is tuple:
         return s[0].outs[s[1]]
+    if t is _View:
+        return _reshape(s.arr, s.shape)
     return s
 
 
@@ -318,7 +461,9 @@ def run_gather(plan, index_nd):
         # mixed producers whose row shapes differ (e.g. a squeezed view beside a
         # plain array): bring each sample to its own array, then concatenate
         parts = [row_value(v) if type(v) is LazyArray else v for v in plan.values]
-        if len(parts[0].shape) != len(plan.want):   # squeezed views: one row each
+        if plan.pad is not None:
+            parts = [_padded(p, v.shape, plan.pad) for p, v in zip(parts, plan.values)]
+        elif len(parts[0].shape) != len(plan.want):   # squeezed views: one row each
             per = (plan.want[0] // len(parts),) + tuple(plan.want[1:])
             parts = [p.reshape(per) for p in parts]
         out = nd.concat(*parts, dim=0) if len(parts) > 1 else parts[0]
@@ -342,8 +487,14 @@ def prepare(batches):
         ex = first.info.op
         lst = index.setdefault(ex.ctx, [])
         cols = zip(*[node.inputs for node in batch])   # per argument: its values
-        first.plan = [plan_gather(col, meta[0], lst, sizes)
-                      for col, meta in zip(cols, ex.in_meta)]
+        pad = ex.pad
+        if pad is None:
+            first.plan = [plan_gather(col, meta[0], lst, sizes)
+                          for col, meta in zip(cols, ex.in_meta)]
+        else:
+            first.plan = [plan_gather(col, meta[0], lst, sizes) if j not in pad else
+                          plan_padded(col, meta[0], pad[j], lst, sizes)
+                          for j, (col, meta) in enumerate(zip(cols, ex.in_meta))]
         gathers += sum(p.kind != "id" for p in first.plan)
         planned.append(first)
     arrays = {ctx: nd.array(np.asarray(lst, dtype=np.int64), ctx=ctx, dtype="int64")

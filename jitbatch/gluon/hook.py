@@ -354,16 +354,31 @@ def _record_op(g, handle, ndargs, keys, vals, output_is_list):
 def _new_info(sid, key, ex, out_meta, batchable, name):
     from ..signature import SigInfo
     STATS.add(signatures=1)
-    return SigInfo(sid, key, ex, out_meta, batchable, name)
+    info = SigInfo(sid, key, ex, out_meta, batchable, name)
+    if key[0] in _BLOCK_KEYS:
+        # a block's signatures are renewed when it is hybridized again; its launch
+        # measurements carry over (keyed without the renewal token)
+        stable = key[:2] + key[3:]
+        old = _MEASURED.get(stable)
+        if old is not None:
+            info.inherit(old)
+        elif len(_MEASURED) >= TABLE.limit:
+            _MEASURED.clear()
+        _MEASURED[stable] = info
+    return info
+
+
+_BLOCK_KEYS = ("blk", "pad", "rag")
+_MEASURED = {}   # block signature key without its token -> its latest SigInfo
 
 
 # ---------------------------------------------------------------------------------------
 # blocks
 class BlockExec(object):
     """Runs the nodes of one block signature as one call of the block's CachedOp."""
-    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked")
+    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad")
 
-    def __init__(self, block, fmt, in_meta, out_meta, ctx, mode):
+    def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None):
         self.block = block
         self.fmt = fmt
         self.in_meta = in_meta
@@ -371,6 +386,7 @@ class BlockExec(object):
         self.ctx = ctx
         self.mode = mode
         self.checked = False
+        self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
 
     def launch(self, batch):
         n = len(batch)
@@ -403,7 +419,7 @@ def _leaves(fmt):
     return res
 
 
-def _block_info(block, args, flat, fmt, mc, mode, key, rkey):
+def _block_info(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     ctx = _check_ctx(mc, "block %s" % block.name)
     try:
         inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
@@ -453,6 +469,14 @@ def _block_info(block, args, flat, fmt, mc, mode, key, rkey):
                 "dynamic_batch." % (block.name, shapes, k, a, b,
                                     (2 * a[0],) + tuple(a[1:])))
     out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
+    if pad is not None:
+        _check_pad_outputs(block, out, names, shapes, o1, pad)
+        in_meta = tuple((s[:pad[i]] + (None,) + s[pad[i] + 1:] if i in pad else s, d)
+                        for i, (s, d) in enumerate(zip(shapes, dtypes)))
+        ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, dict(pad))
+        info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
+        info.padsize = _padsize(sorted(pad.items()))
+        return info
     if rkey is not None and _rowwise_any_length(out, names, shapes, o1):
         # ragged: samples of any leading length merge; sizes live on the nodes
         out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
@@ -466,6 +490,85 @@ def _block_info(block, args, flat, fmt, mc, mode, key, rkey):
 
 
 _NOT_RAGGED = object()
+
+
+def _check_pad_outputs(block, out, names, shapes, o1, pad):
+    """Outputs of a zero-padded block must not change shape with the padded size."""
+    grown = [tuple(s[:pad[i]]) + (s[pad[i]] + 1,) + tuple(s[pad[i] + 1:]) if i in pad else s
+             for i, s in enumerate(shapes)]
+    try:
+        _, o3, _ = out.infer_shape_partial(**dict(zip(names, grown)))
+    except Exception as e:
+        raise BatchingError("block %s: zero_pad(%s) declared, but the block cannot take "
+                            "inputs of shapes %s (one more along the padded axes): %s"
+                            % (block.name, _pad_names(block), grown, e)) from e
+    for k, (a, b) in enumerate(zip(o1, o3)):
+        if tuple(a) != tuple(b):
+            raise BatchingError(
+                "block %s: zero_pad(%s) declared, but its output %d has shape %s for inputs "
+                "%s and %s when the padded axes grow by one (%s); padding must not change "
+                "the outputs' shapes. Fix: reduce over the padded axis inside the block "
+                "(e.g. a sum over children), or drop the declaration with "
+                "jitbatch.zero_pad(block)." % (block.name, _pad_names(block), k, tuple(a),
+                                               shapes, tuple(b), grown))
+
+
+def _padsize(pads):
+    """A node's size along its padded axes (the largest, if several)."""
+    if len(pads) == 1:
+        (i, axis), = pads
+
+        def size(node):
+            x = node.inputs[i]
+            if type(x) is LazyArray:
+                return x._shape[axis]
+            return _meta(x)[0][axis]
+    else:
+        def size(node):
+            ins = node.inputs
+            return max([_meta(ins[i])[0][axis] for i, axis in pads])
+    return size
+
+
+def _pad_names(block):
+    return ", ".join("%s=%d" % kv for kv in sorted((block._jb_pad_names or {}).items()))
+
+
+def zero_pad(block, **axes):
+    """Declare that zero entries along an axis of some of ``block``'s inputs add
+    nothing to its outputs or to any gradient (e.g. absent children in a
+    child-sum cell), so calls whose inputs differ only in that axis's size may
+    run as one launch, each zero-padded to the largest size in it.
+
+    ``axes`` maps an input's name in ``hybrid_forward`` to the axis (>= 1; axis
+    0 is the batch axis). ``jitbatch.zero_pad(block)`` removes the declaration.
+    jitbatch cannot check the claim; a wrong one gives wrong results (test the
+    block batched against plain Gluon, as tests/test_differential.py does)."""
+    import inspect
+    if not isinstance(block, HybridBlock):
+        raise FlagError("zero_pad(%r): expected a HybridBlock instance, got %s"
+                        % (block, type(block).__name__))
+    params = list(inspect.signature(block.hybrid_forward).parameters.values())
+    data = []
+    for p in params[1:]:          # params[0] is F
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.name in block._reg_params:
+            break
+        data.append(p.name)
+    pos = {}
+    for name, axis in sorted(axes.items()):
+        if name not in data:
+            raise FlagError("zero_pad(%s, %s=...): %s.hybrid_forward has no input named %r; "
+                            "its inputs are %s" % (block.name, name, type(block).__name__,
+                                                   name, ", ".join(data) or "(none)"))
+        if isinstance(axis, bool) or not isinstance(axis, int) or axis < 1:
+            raise FlagError("zero_pad(%s, %s=%r): expected an axis >= 1 (axis 0 is the "
+                            "batch axis, along which samples of any length merge already)"
+                            % (block.name, name, axis))
+        pos[data.index(name)] = axis
+    block._jb_pad = pos or None
+    block._jb_pad_names = dict(axes) or None
+    block._jb_token = object()    # signatures recorded under the old declaration
+    return block
 
 
 def _rowwise_any_length(out, names, shapes, o1):
@@ -545,6 +648,13 @@ _EXACT = {}   # exact call key -> SigInfo (bounded; skips the ragged key's rebui
 
 
 def _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key):
+    pad = self._jb_pad
+    if pad is not None:
+        info = _resolve_padded(self, pad, allargs, flat, fmt, mc, mode, fkey)
+        if len(_EXACT) >= TABLE.limit:
+            _EXACT.clear()
+        _EXACT[key] = info
+        return info
     rkey = None
     info = None
     if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
@@ -560,6 +670,34 @@ def _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key):
     if len(_EXACT) >= TABLE.limit:
         _EXACT.clear()
     _EXACT[key] = info
+    return info
+
+
+def _resolve_padded(self, pad, allargs, flat, fmt, mc, mode, fkey):
+    """The signature of a call to a block with zero-padded inputs: their sizes
+    along the padded axes are left out of it."""
+    if type(fkey) is not int:
+        raise BatchingError(
+            "block %s: zero_pad(%s) needs the block's inputs passed as separate arrays, "
+            "but it was called with nested lists (%s). Fix: stack each list into one "
+            "array (e.g. nd.stack(*children, axis=1))." % (self.name, _pad_names(self), fmt))
+    pmc = list(mc)
+    for i, axis in pad.items():
+        if i >= len(mc):
+            raise BatchingError("block %s: zero_pad(%s) names input %d, but the call passed "
+                                "%d arrays" % (self.name, _pad_names(self), i, len(mc)))
+        shape = mc[i][0]
+        if len(shape) <= axis:
+            raise BatchingError(
+                "block %s: zero_pad(%s) pads input %d along axis %d, but it has shape %s "
+                "(%d axes). Fix: pass it with the padded axis (e.g. shape (1, K, H)) or "
+                "change the declared axis." % (self.name, _pad_names(self), i, axis,
+                                                shape, len(shape)))
+        pmc[i] = (shape[:axis] + (None,) + shape[axis + 1:], mc[i][1], mc[i][2])
+    pkey = ("pad", id(self), self._jb_token, fkey, tuple(pmc), mode)
+    info = TABLE.get(pkey)
+    if info is None:
+        info = _block_info(self, allargs, flat, fmt, mc, mode, pkey, None, pad)
     return info
 
 
@@ -676,6 +814,8 @@ def install():
     _set(Block, "_jb_cfg", None)
     _set(Block, "__call__", _call)
     _set(HybridBlock, "_jb_token", None)
+    _set(HybridBlock, "_jb_pad", None)
+    _set(HybridBlock, "_jb_pad_names", None)
     _set(HybridBlock, "forward", _forward)
     _set(HybridBlock, "_clear_cached_op", _clear)
     _set(Block, "hybridize", _make_hybridize(_orig_block_hybridize))
@@ -717,3 +857,4 @@ def uninstall():
     _modes = threading.local()
     TABLE.clear()   # block instances keep inert _jb_cfg/_jb_token attributes
     _EXACT.clear()
+    _MEASURED.clear()

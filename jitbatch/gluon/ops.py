@@ -183,6 +183,7 @@ class OpExec(object):
     """Runs the nodes of one operator signature."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
                  "in_meta", "out_meta", "ctx", "mode", "invoke", "checked")
+    pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
 
     def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx,
                  mode, invoke):
