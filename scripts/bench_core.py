@@ -64,7 +64,15 @@ class Runner(object):
         elif name == "hybrid":
             self.net.hybridize()
         else:
-            self.net.hybridize(dynamic_batch=True, policy=name.split(":")[1])
+            # 'jit:POLICY' declares the cell's child axis zero-paddable (exact for
+            # the child-sum cell: see examples/tree_lstm/model.py); 'jit:POLICY:nopad'
+            # does not, so calls with different child counts never merge
+            parts = name.split(":")
+            if len(parts) > 2 and parts[2] == "nopad":
+                jitbatch.zero_pad(self.net.encoder.cell)
+            else:
+                jitbatch.zero_pad(self.net.encoder.cell, ch=1, cc=1)
+            self.net.hybridize(dynamic_batch=True, policy=parts[1])
 
     def step(self, batch, update=True):
         with autograd.record():

@@ -13,7 +13,11 @@ Modes (all on ONE model, so the same parameters):
   hybrid      per-sample Gluon, hybridized blocks
   hand        hand-written level-by-level batching (examples/tree_lstm/hand_batched.py)
   jit:POLICY  jitbatch, net.hybridize(dynamic_batch=True, policy=POLICY), POLICY in
-              depth, agenda, auto
+              depth, agenda, auto, with the cell's child axis declared zero-paddable
+              (jitbatch.zero_pad(cell, ch=1, cc=1)): nodes with different child
+              counts may share a launch
+  jit:auto:nopad  the same without the declaration (launches split by child
+              count); also jit:depth:nopad, jit:agenda:nopad
 
 Before timing, every mode must give the same loss on the first training
 minibatch and the same predictions on it (rtol 1e-4); the script aborts
@@ -51,7 +55,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ALL_MODES = ("plain", "hybrid", "hand", "jit:depth", "jit:agenda", "jit:auto")
+ALL_MODES = ("plain", "hybrid", "hand", "jit:depth", "jit:agenda", "jit:auto:nopad",
+             "jit:auto")
 _REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
 SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
 
@@ -85,10 +90,11 @@ def build_parser():
 def parse_args(argv):
     args = build_parser().parse_args(argv)
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.mode_list if m not in ALL_MODES]
+    known = set(ALL_MODES) | set("jit:%s:nopad" % p for p in ("depth", "agenda", "auto"))
+    bad = [m for m in args.mode_list if m not in known]
     if bad or not args.mode_list:
-        raise SystemExit("--modes: unknown mode(s) %s; choose from %s"
-                         % (", ".join(bad) or "(none)", ", ".join(ALL_MODES)))
+        raise SystemExit("--modes: unknown mode(s) %s; choose from %s (or jit:depth:nopad, "
+                         "jit:agenda:nopad)" % (", ".join(bad) or "(none)", ", ".join(ALL_MODES)))
     args.slow = set(m.strip() for m in args.slow_modes.split(",") if m.strip())
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workload_list or set(args.workload_list) - {"train", "infer"}:
@@ -184,6 +190,12 @@ def check_same(modes, names, batch):
     return loss
 
 
+def _secs(x):
+    if not x:
+        return "(not measured yet)"
+    return "%.0f us" % (x * 1e6) if x >= 1e-5 else "%.2f us" % (x * 1e6)
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 
@@ -264,7 +276,7 @@ def main(argv=None, script=None):
                         for pol, k in st["policies"].items():
                             seen[pol] = seen.get(pol, 0) + k
                         chosen[w] = {"policy": lf.get("policy"), "why": lf.get("why"),
-                                     "flush_policies": seen,
+                                     "flush_policies": seen, "padding": lf.get("padding"),
                                      "nodes": lf.get("nodes"), "launches": lf.get("launches")}
                 bar.update()
     bar.close()
@@ -288,11 +300,11 @@ def main(argv=None, script=None):
         print()
         print("%s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved rounds"
               % (title, sizes[w], result["threads"], args.rounds))
-        print("%-11s %9s %9s %9s %9s %9s %8s" % ("mode", "pairs/s", "vs plain", "vs hand",
+        print("%-15s %9s %9s %9s %9s %9s %8s" % ("mode", "pairs/s", "vs plain", "vs hand",
                                                 "analysis", "execute", "batches"))
         for m in names:
             row = table[m]
-            print("%-11s %9.1f %9s %9s %9s %9s %8d" % (
+            print("%-15s %9.1f %9s %9s %9s %9s %8d" % (
                 m, row["pairs_per_s"], times(row["vs_plain"]), times(row["vs_hand"]),
                 percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
                 row["timed_batches"]))
@@ -304,6 +316,12 @@ def main(argv=None, script=None):
             print("jit:auto chose %s (%s); last flush %s nodes in %s launches; timed "
                   "flushes by policy, all rounds: %s"
                   % (c["policy"], c["why"], c["nodes"], c["launches"], c["flush_policies"]))
+            for name, p in sorted((c.get("padding") or {}).items()):
+                print("  zero-padded %s: %d nodes, %d ready sets -> %d launches, %.2fx the "
+                      "rows after padding (split priced at %s fixed, %s per padded row)"
+                      % (name.rsplit("_", 1)[-1], p["rows"], p["batches"], p["launches"],
+                         p["units"] / max(p["rows"], 1), _secs(p["fixed_s"]),
+                         _secs(p["per_unit_s"])))
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)

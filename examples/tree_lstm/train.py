@@ -78,6 +78,10 @@ def build_parser():
                    help="jitbatch scheduling policy (default: %(default)s)")
     e.add_argument("--analysis-budget", type=float, default=None, metavar="FRACTION",
                    help="jitbatch analysis budget for policy 'auto' (default: none)")
+    e.add_argument("--zero-pad", action=argparse.BooleanOptionalAction, default=True,
+                   help="declare the cell's child axis zero-paddable (exact for the "
+                        "child-sum cell), so nodes with different child counts share "
+                        "launches (default: on)")
     o = p.add_argument_group("input/output")
     o.add_argument("--save", default=None, metavar="PATH",
                    help="save the best-dev parameters here (net.save_parameters)")
@@ -286,8 +290,13 @@ def plot_curve(path, epochs, title):
 
 def setup_execution(net, args):
     if args.dynamic_batch:
+        if args.zero_pad:
+            # absent children (h = c = 0) add nothing to a child-sum cell's outputs
+            # or gradients: calls with different child counts may merge, padded
+            jitbatch.zero_pad(net.encoder.cell, ch=1, cc=1)
         net.hybridize(dynamic_batch=True, policy=args.policy, analysis_budget=args.analysis_budget)
-        return "dynamic batching (policy %s)" % args.policy
+        return "dynamic batching (policy %s%s)" % (
+            args.policy, ", child axis zero-padded" if args.zero_pad else "")
     if args.hybridize:
         net.hybridize()
         return "per-sample hybridized"
