@@ -61,7 +61,8 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     # launch times feed the cost model only from calibrating flushes, which wait
     # for each launch's kernels (asynchronous frameworks return before them)
     wait = getattr(backend, "wait", None)
-    calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
+    calibrate = policy == "auto" and wait is not None and (
+        cost.MODEL.calibrate_now() or _unpriced(padding))
     graph.executing = True
     done = 0
     try:
@@ -121,7 +122,27 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": analysis,
                           "execute_seconds": execution, "predicted": predicted,
-                          "calibrated": calibrate, "reason": reason, "padding": padding})
+                          "calibrated": calibrate, "reason": reason,
+                          "padding": _report(padding)})
+
+
+_PAD_TIMED = 8   # timed launches after which an unpriced padded signature stops calibrating
+
+
+def _unpriced(padding):
+    """Whether a zero-padded signature of this flush has no padding price yet
+    though it ran before (its first flush pays first-call costs): such a flush
+    calibrates too, until the signature has ``_PAD_TIMED`` timed launches, so
+    its ready sets are not padded blindly for the 64 flushes to the next
+    scheduled calibration."""
+    if not padding:
+        return False
+    for r in padding.values():
+        info = r["info"]
+        if r["per_unit_s"] is None and info.pad_seen > 1 and \
+                (info.pad_fit is None or info.pad_fit[0] < _PAD_TIMED):
+            return True
+    return False
 
 
 def _split_padded(batches):
@@ -141,7 +162,8 @@ def _split_padded(batches):
             prices = cost.MODEL.pad_costs(info)
             r = report[info.name] = {"batches": 0, "launches": 0, "rows": 0, "units": 0,
                                      "fixed_s": prices and prices[0],
-                                     "per_unit_s": prices and prices[1]}
+                                     "per_unit_s": prices and prices[1], "info": info}
+            info.pad_seen += 1
         prices = (r["fixed_s"], r["per_unit_s"]) if r["per_unit_s"] else None
         parts = schedule.split_padded(batch, *prices) if prices and len(batch) > 1 else [batch]
         size = info.padsize
@@ -152,3 +174,10 @@ def _split_padded(batches):
         r["rows"] += len(batch)
         out.extend(parts)
     return out, report
+
+
+def _report(padding):
+    """The padding report as stats shows it (without the signature objects)."""
+    if padding is None:
+        return None
+    return {name: {k: v for k, v in r.items() if k != "info"} for name, r in padding.items()}

@@ -14,7 +14,8 @@ class SigInfo(object):
     a launch pads every node to its largest, and ``pad_fit`` sums what the cost
     model needs to price that padding (``cost.Model.pad_costs``)."""
     __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
-                 "launch_rows", "launches", "launch_rr", "launch_cr", "padsize", "pad_fit")
+                 "launch_rows", "launches", "launch_rr", "launch_cr", "padsize", "pad_fit",
+                 "pad_seen")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
         self.id = sid
@@ -31,6 +32,7 @@ class SigInfo(object):
         self.launch_cr = 0.0     # line of launch time against rows (cost.Model)
         self.padsize = None
         self.pad_fit = None
+        self.pad_seen = 0        # flushes this padded signature ran in
 
     def inherit(self, old):
         """Take over ``old``'s launch measurements (the same call re-traced, e.g.
@@ -41,6 +43,7 @@ class SigInfo(object):
         self.launch_rr = old.launch_rr
         self.launch_cr = old.launch_cr
         self.pad_fit = list(old.pad_fit) if old.pad_fit is not None else None
+        self.pad_seen = old.pad_seen
 
 
 class SignatureTable(object):

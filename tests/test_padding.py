@@ -213,23 +213,41 @@ class Keeps(HybridBlock):
         return x + F.sum(ch, axis=1), ch * 2     # second output keeps the padded axis
 
 
-def test_padding_that_would_change_an_output_shape_is_refused():
-    b = Keeps()
+@pytest.mark.parametrize("block,axis,ch,error", [
+    # an output that keeps the padded axis would change shape with the padding
+    (Keeps, 1, (1, 2, 3), r"output 1 has shape \(1, 2, 3\).*must not change the outputs' shapes"),
+    # the declared axis is not there
+    (SumCell, 3, (1, 2, 4), r"along axis 3, but it has shape \(1, 2, 4\) \(3 axes\)"),
+], ids=["output-keeps-axis", "missing-axis"])
+def test_bad_padded_calls_are_explained(block, axis, ch, error):
+    b = block()
     b.initialize()
-    jitbatch.zero_pad(b, ch=1)
+    jitbatch.zero_pad(b, ch=axis)
     b.hybridize(dynamic_batch=True)
-    with pytest.raises(jitbatch.BatchingError, match=r"output 1 has shape \(1, 2, 3\).*"
-                                                     r"must not change the outputs' shapes"):
-        b(nd.ones((1, 3)), nd.ones((1, 2, 3)))
+    with pytest.raises(jitbatch.BatchingError, match=error):
+        b(nd.ones((1, 3)), nd.ones(ch))
     jitbatch.flush()
 
 
-def test_padded_axis_must_exist():
-    b = SumCell()
-    b.initialize()
-    jitbatch.zero_pad(b, ch=3)
-    b.hybridize(dynamic_batch=True)
-    with pytest.raises(jitbatch.BatchingError, match=r"along axis 3, but it has shape "
-                                                     r"\(1, 2, 4\) \(3 axes\)"):
-        b(nd.ones((1, 3)), nd.ones((1, 2, 4)))
-    jitbatch.flush()
+def test_an_unpriced_padded_signature_calibrates_until_priced(monkeypatch):
+    # past the scheduled calibrating flushes (2nd, 3rd, 64th): only the padded
+    # signature's lack of a price makes a flush calibrate
+    monkeypatch.setattr(cost.MODEL, "flushes", 10)
+    net = make_net()
+    jitbatch.zero_pad(net.cell, ch=1)
+    net.hybridize(dynamic_batch=True)
+    rng = np.random.default_rng(5)
+    seen = []
+    for _ in range(14):
+        ks = [int(k) for k in rng.integers(1, 6, size=int(rng.integers(2, 12)))]
+        outs = [net(x, kids) for x, kids in samples(rng, ks)]
+        jitbatch.flush()
+        lf = jitbatch.stats()["last_flush"]
+        seen.append(lf["calibrated"])
+        assert outs[0].shape == (1, 4)
+    timed = next(i for i in jitbatch.gluon.TABLE._table.values()
+                 if getattr(getattr(i, "op", None), "block", None) is net.cell).pad_fit[0]
+    assert seen[0] is False                # its first flush pays first-call costs
+    assert seen[1] is True                 # then it is timed ...
+    assert 4 <= timed <= 8 and sum(seen) == timed   # ... until priced, at most 8 launches
+    assert not any(seen[9:])
