@@ -251,3 +251,33 @@ def test_an_unpriced_padded_signature_calibrates_until_priced(monkeypatch):
     assert seen[1] is True                 # then it is timed ...
     assert 4 <= timed <= 8 and sum(seen) == timed   # ... until priced, at most 8 launches
     assert not any(seen[9:])
+
+
+def test_a_concrete_array_read_by_many_samples_is_one_gather_source(monkeypatch):
+    # the child-sum model's leaves pass one shared (1, 1, H) zero state; in a
+    # padded launch beside nodes with children it is read as rows of (H,)
+    from jitbatch.gluon import backend
+    plans = []
+    orig = backend.prepare
+
+    def prepare(batches):
+        orig(batches)
+        plans.extend(b[0].plan[0] for b in batches if b[0].plan)
+    monkeypatch.setattr(backend.Backend, "prepare", staticmethod(prepare))
+    cell = SumCell()
+    cell.initialize()
+    jitbatch.zero_pad(cell, ch=1)
+    cell.hybridize(dynamic_batch=True, policy="depth")
+    zero = nd.zeros((1, 1, 4))
+    rng = np.random.default_rng(6)
+    xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(6)]
+    kids = [nd.array(rng.normal(size=(1, 3, 4))) for _ in range(2)]
+    chs = [zero, zero, kids[0], zero, kids[1], zero]
+    outs = [cell(x, ch) for x, ch in zip(xs, chs)]
+    jitbatch.flush()
+    cell.hybridize(active=False)
+    for x, ch, o in zip(xs, chs, outs):
+        np.testing.assert_allclose(o.asnumpy(), cell(x, ch).asnumpy(), rtol=1e-5, atol=1e-6)
+    (_, ch_plan), = [p for p in plans]
+    assert ch_plan.kind in ("concat_take", "take_concat")
+    assert len(ch_plan.srcs) == 4      # the zero state once, both kids, the padding

@@ -328,8 +328,13 @@ def _unit_leaves(v, unit, out, views):
             out.append(v)
             return True
         v = v._value
+    hit = views.get(id(v))      # one source per array, however many samples read it
+    if hit is not None and hit[0] is v:
+        out.append(hit[1])
+        return True
     shp = v.shape
     if tuple(shp[1:]) == unit:
+        views[id(v)] = (v, v)
         out.append(v)
         return True
     size = 1
