@@ -34,10 +34,10 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     if policy == "auto":
         chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
     batches = schedule.SCHEDULERS[chosen](nodes)
-    padding = None
+    padding = units = None
     for batch in batches:
         if batch[0].info.padsize is not None:
-            batches, padding = _split_padded(batches)
+            batches, padding, units = _split_padded(batches)
             break
     for batch in batches:
         g = Group(len(batch))
@@ -72,18 +72,15 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
                 ts = clock()
                 prepare(batches[split:])
                 late = clock() - ts
-            if calibrate:
-                info = batch[0].info
-                size = info.padsize
-                units = len(batch) * max([size(n) for n in batch]) if size is not None else 0
             ts = clock()
             backend.launch(batch)
             if calibrate:
                 wait(batch)
                 dt = clock() - ts
+                info = batch[0].info
                 rows = len(batch)
-                if size is not None:
-                    cost.MODEL.observe_padded(info, rows, units, dt)
+                if info.padsize is not None:
+                    cost.MODEL.observe_padded(info, rows, units[done], dt)
                 info.launch_cost += dt
                 info.launches += 1
                 info.launch_rows += rows
@@ -148,32 +145,33 @@ def _unpriced(padding):
 def _split_padded(batches):
     """Split the batches of zero-padded signatures by size where the cost model
     says a launch costs more in padding than it saves (see
-    schedule.split_padded). Returns the batches and, for stats, per padded
-    signature its launches before and after, padded units and the prices used."""
-    out = []
+    schedule.split_padded). Returns the batches, for stats per padded signature
+    its launches before and after, padded units and the prices used, and per
+    launch its padded units (0 for launches of other signatures)."""
+    out, units = [], []
     report = {}
+    prices = {}
     for batch in batches:
         info = batch[0].info
         if info.padsize is None:
             out.append(batch)
+            units.append(0)
             continue
         r = report.get(info.name)
         if r is None:
-            prices = cost.MODEL.pad_costs(info)
+            p = prices[info.name] = cost.MODEL.pad_costs(info) or (None, None)
             r = report[info.name] = {"batches": 0, "launches": 0, "rows": 0, "units": 0,
-                                     "fixed_s": prices and prices[0],
-                                     "per_unit_s": prices and prices[1], "info": info}
+                                     "fixed_s": p[0], "per_unit_s": p[1], "info": info}
             info.pad_seen += 1
-        prices = (r["fixed_s"], r["per_unit_s"]) if r["per_unit_s"] else None
-        parts = schedule.split_padded(batch, *prices) if prices and len(batch) > 1 else [batch]
-        size = info.padsize
-        for part in parts:
-            r["units"] += len(part) * max([size(n) for n in part])
+        parts, kmax = schedule.split_padded(batch, *prices[info.name])
+        for part, k in zip(parts, kmax):
+            units.append(len(part) * k)
+        r["units"] += sum(units[len(out):])
         r["batches"] += 1
         r["launches"] += len(parts)
         r["rows"] += len(batch)
         out.extend(parts)
-    return out, report
+    return out, report, units
 
 
 def _report(padding):

@@ -92,7 +92,8 @@ def split_padded(batch, fixed, per_unit):
     ``fixed`` plus ``per_unit`` per padded unit (``nodes x k``). The sizes are
     sorted and cut into consecutive runs by dynamic programming (exact: an
     optimal split never interleaves sizes). Returns the launches, smallest
-    sizes first; one launch when merging everything is cheapest."""
+    sizes first (the batch itself when merging everything is cheapest, or when
+    ``fixed`` is None: no prices), and each launch's largest size."""
     size = batch[0].info.padsize
     by = {}
     for n in batch:
@@ -102,8 +103,8 @@ def split_padded(batch, fixed, per_unit):
             by[k] = [n]
         else:
             g.append(n)
-    if len(by) == 1:
-        return [batch]
+    if len(by) == 1 or fixed is None:
+        return [batch], [max(by)]
     ks = sorted(by)
     m = len(ks)
     counts = [len(by[k]) for k in ks]
@@ -124,14 +125,14 @@ def split_padded(batch, fixed, per_unit):
         runs.append((cut[j], j))
         j = cut[j]
     if len(runs) == 1:
-        return [batch]
+        return [batch], [ks[-1]]
     out = []
     for i, j in reversed(runs):
         part = []
         for k in ks[i:j]:
             part.extend(by[k])
         out.append(part)
-    return out
+    return out, [ks[j - 1] for _, j in reversed(runs)]
 
 
 def sequential(nodes):

@@ -146,7 +146,8 @@ def test_split_is_optimal(seed):
     info.padsize = lambda n: n.k
     batch = [_N(info, int(k)) for k in rng.integers(1, 7, size=int(rng.integers(2, 30)))]
     fixed, per = float(rng.uniform(0.1, 3)), float(rng.uniform(0.01, 0.5))
-    parts = schedule.split_padded(batch, fixed, per)
+    parts, kmax = schedule.split_padded(batch, fixed, per)
+    assert kmax == [max(n.k for n in p) for p in parts]
     assert sorted(map(id, itertools.chain(*parts))) == sorted(map(id, batch))
 
     def price(ps):
@@ -164,7 +165,8 @@ def test_split_is_optimal(seed):
         ps = [[n for n in batch if n.k in r] for r in runs]
         best = price(ps) if best is None else min(best, price(ps))
     assert abs(price(parts) - best) < 1e-9
-    assert schedule.split_padded(batch, fixed, 0.0) == [batch]
+    assert schedule.split_padded(batch, fixed, 0.0)[0] == [batch]
+    assert schedule.split_padded(batch, None, None) == ([batch], [max(n.k for n in batch)])
 
 
 def test_padding_price_is_a_fitted_plane():

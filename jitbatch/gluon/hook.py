@@ -469,15 +469,12 @@ def _block_info(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "dynamic_batch." % (block.name, shapes, k, a, b,
                                     (2 * a[0],) + tuple(a[1:])))
     out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
+    in_meta = tuple(zip(shapes, dtypes))
     if pad is not None:
         _check_pad_outputs(block, out, names, shapes, o1, pad)
         in_meta = tuple((s[:pad[i]] + (None,) + s[pad[i] + 1:] if i in pad else s, d)
-                        for i, (s, d) in enumerate(zip(shapes, dtypes)))
-        ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, dict(pad))
-        info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
-        info.padsize = _padsize(sorted(pad.items()))
-        return info
-    if rkey is not None and _rowwise_any_length(out, names, shapes, o1):
+                        for i, (s, d) in enumerate(in_meta))
+    elif rkey is not None and _rowwise_any_length(out, names, shapes, o1):
         # ragged: samples of any leading length merge; sizes live on the nodes
         out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
         ex = BlockExec(block, fmt, tuple(((None,) + tuple(s[1:]), d)
@@ -485,8 +482,11 @@ def _block_info(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         return TABLE.add(rkey, lambda sid: _new_info(sid, rkey, ex, out_meta, True, block.name))
     if rkey is not None:
         TABLE.add(rkey, lambda sid: _NOT_RAGGED)
-    ex = BlockExec(block, fmt, tuple(zip(shapes, dtypes)), out_meta, ctx, mode)
-    return TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
+    ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, pad and dict(pad))
+    info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
+    if pad is not None:
+        info.padsize = _padsize(sorted(pad.items()))
+    return info
 
 
 _NOT_RAGGED = object()
@@ -519,10 +519,7 @@ def _padsize(pads):
         (i, axis), = pads
 
         def size(node):
-            x = node.inputs[i]
-            if type(x) is LazyArray:
-                return x._shape[axis]
-            return _meta(x)[0][axis]
+            return _meta(node.inputs[i])[0][axis]
     else:
         def size(node):
             ins = node.inputs
@@ -649,33 +646,30 @@ _EXACT = {}   # exact call key -> SigInfo (bounded; skips the ragged key's rebui
 
 def _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key):
     pad = self._jb_pad
-    if pad is not None:
-        info = _resolve_padded(self, pad, allargs, flat, fmt, mc, mode, fkey)
-        if len(_EXACT) >= TABLE.limit:
-            _EXACT.clear()
-        _EXACT[key] = info
-        return info
+    skey = key      # the signature's key; ``key`` (the exact call) indexes _EXACT
     rkey = None
     info = None
-    if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
+    if pad is not None:
+        skey = _padded_key(self, pad, fmt, mc, mode, fkey)
+    elif lead is not None and all(m[0] and m[0][0] == lead for m in mc):
         rkey = ("rag", id(self), self._jb_token, fkey,
                 tuple([(m[0][1:], m[1]) for m in mc]), mc[0][2], mode)
         info = TABLE.get(rkey)
         if info is _NOT_RAGGED:
             info = rkey = None
     if info is None:
-        info = TABLE.get(key)
+        info = TABLE.get(skey)
         if info is None:
-            info = _block_info(self, allargs, flat, fmt, mc, mode, key, rkey)
+            info = _block_info(self, allargs, flat, fmt, mc, mode, skey, rkey, pad)
     if len(_EXACT) >= TABLE.limit:
         _EXACT.clear()
     _EXACT[key] = info
     return info
 
 
-def _resolve_padded(self, pad, allargs, flat, fmt, mc, mode, fkey):
-    """The signature of a call to a block with zero-padded inputs: their sizes
-    along the padded axes are left out of it."""
+def _padded_key(self, pad, fmt, mc, mode, fkey):
+    """The signature key of a call to a block with zero-padded inputs: their
+    sizes along the padded axes are left out of it."""
     if type(fkey) is not int:
         raise BatchingError(
             "block %s: zero_pad(%s) needs the block's inputs passed as separate arrays, "
@@ -694,11 +688,7 @@ def _resolve_padded(self, pad, allargs, flat, fmt, mc, mode, fkey):
                 "change the declared axis." % (self.name, _pad_names(self), i, axis,
                                                 shape, len(shape)))
         pmc[i] = (shape[:axis] + (None,) + shape[axis + 1:], mc[i][1], mc[i][2])
-    pkey = ("pad", id(self), self._jb_token, fkey, tuple(pmc), mode)
-    info = TABLE.get(pkey)
-    if info is None:
-        info = _block_info(self, allargs, flat, fmt, mc, mode, pkey, None, pad)
-    return info
+    return ("pad", id(self), self._jb_token, fkey, tuple(pmc), mode)
 
 
 def _forward(self, x, *args):
