@@ -35,6 +35,7 @@ class Model(object):
         self.agenda_ratio = 0.7      # agenda launches / depth groups
         self._measured = set()       # which priors a measurement has replaced
         self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
+        self.unbatched = None        # predicted one-launch-per-node seconds of this flush
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -50,10 +51,13 @@ class Model(object):
         return 0.8 * old + 0.2 * new
 
     def observe(self, policy, nodes, analysis_s, launches, execute_s, depth_groups,
-                calibrated=True):
+                calibrated=True, staged=False):
         if nodes:
-            self.analysis[policy] = self._update(policy, self.analysis[policy],
-                                                 analysis_s / nodes)
+            # a flush that split calls into stages is its own analysis entry:
+            # the split's extra nodes and gathers are what 'auto' weighs
+            key = policy + "+split" if staged else policy
+            self.analysis[key] = self._update(key, self.analysis.get(key, 0.0),
+                                              analysis_s / nodes)
         if launches and calibrated:
             self.launch = self._update("launch", self.launch, execute_s / launches)
         if policy == "agenda" and depth_groups:
@@ -156,6 +160,7 @@ class Model(object):
             "agenda": (self.analysis["agenda"] * n,
                        exec_depth - (1.0 - min(self.agenda_ratio, 1.0)) * fixed),
         }
+        self.unbatched = exec_seq
         allowed = [p for p, (a, e) in pred.items()
                    if p == "sequential" or budget is None or a <= budget * exec_seq]
         best = min(allowed, key=lambda p: sum(pred[p]))
@@ -164,6 +169,45 @@ class Model(object):
         else:
             why = "cheapest predicted (analysis + execution)"
         return best, why, {p: {"analysis": a, "execute": e} for p, (a, e) in pred.items()}, len(groups)
+
+    def split_gain(self, info, plan, group, nodes, policy, budget, calibrate):
+        """Whether the calls of block signature ``info`` (``group``, in a flush of
+        ``nodes`` nodes scheduled by ``policy``) run their input stage as one
+        launch of its own. Predicted per depth group: the block's launches
+        against one input-stage launch over all of them plus the main stage's
+        launches, plus the measured extra analysis per node of flushes that
+        split. Until both stages are timed, a calibrating flush splits (once
+        the block itself is timed) to time them. Returns (split?, why,
+        predictions)."""
+        a_info, b_info = plan.a_info, plan.b_info
+        if not info.launches:
+            return False, "block launches not timed yet", None
+        if not a_info.launches or not b_info.launches:
+            if calibrate:
+                return True, "timing the split (calibrating flush)", None
+            return False, "split not timed yet (next calibrating flush)", None
+        depths = {}
+        for n in group:
+            d = n.depth
+            depths[d] = depths.get(d, 0) + 1
+        lc = self.launch_cost
+        block = split = 0.0
+        for c in depths.values():
+            block += lc(info, c)
+            split += lc(b_info, c)
+        split += lc(a_info, len(group))
+        an = self.analysis
+        key = policy + "+split"
+        extra = max(an.get(key, an[policy]) - an[policy], 0.0) * nodes
+        pred = {"block": {"execute": block},
+                "split": {"execute": split, "extra_analysis": extra}}
+        if budget is not None and self.unbatched is not None and \
+                an.get(key, an[policy]) * nodes > budget * self.unbatched:
+            return False, "split analysis over budget %g" % budget, pred
+        if split + extra < block:
+            return True, "cheaper predicted (input stage merged across %d depths)" \
+                % len(depths), pred
+        return False, "block cheaper predicted", pred
 
     @staticmethod
     def passthrough_after(nodes, launches, nothing_to_merge=True):

@@ -2,7 +2,7 @@
 import time
 
 from . import cost, schedule
-from .graph import Group
+from .graph import Group, Node, Ref, _sources
 from .errors import ExecutionError, JitBatchError
 from .stats import STATS
 
@@ -13,14 +13,18 @@ def _sites(batch, limit=3):
     return "; ".join(sites) + more
 
 
-def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flush"):
+def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flush",
+          granularity="auto"):
     """Run every pending node of ``graph``. ``backend.launch(batch)`` runs one batch
-    of same-signature nodes and stores each node's ``batch``/``row``."""
+    of same-signature nodes and stores each node's ``batch``/``row``.
+    ``granularity``: 'block' (a call is one node), 'split' (calls whose block
+    has an input stage run it as a node of its own, see gluon/stages.py) or
+    'auto' (the cost model decides per signature, under policy 'auto')."""
     if graph.executing or not graph.nodes:
         return
     nodes = graph.take()
     try:
-        _flush(graph, nodes, backend, policy, budget, forced, reason)
+        _flush(graph, nodes, backend, policy, budget, forced, reason, granularity)
     finally:
         graph.done()
 
@@ -28,11 +32,22 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
 _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch
 
 
-def _flush(graph, nodes, backend, policy, budget, forced, reason):
+def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
     t0 = time.perf_counter()
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
     if policy == "auto":
         chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
+    wait = getattr(backend, "wait", None)
+    calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
+    stages = None
+    staged = 0
+    if granularity != "block" and chosen != "sequential" and \
+            getattr(backend, "stages", None) is not None:
+        n0 = len(nodes)
+        nodes, stages = _granularity(nodes, backend.stages, granularity if policy == "auto"
+                                     else ("split" if granularity == "split" else "block"),
+                                     chosen, budget, calibrate)
+        staged = len(nodes) - n0
     batches = schedule.SCHEDULERS[chosen](nodes)
     padding = units = None
     for batch in batches:
@@ -60,9 +75,7 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
     late = 0.0      # seconds planning the later launches (inside the launch loop)
     # launch times feed the cost model only from calibrating flushes, which wait
     # for each launch's kernels (asynchronous frameworks return before them)
-    wait = getattr(backend, "wait", None)
-    calibrate = policy == "auto" and wait is not None and (
-        cost.MODEL.calibrate_now() or _unpriced(padding))
+    calibrate = calibrate or (policy == "auto" and wait is not None and _unpriced(padding))
     graph.executing = True
     done = 0
     try:
@@ -112,15 +125,15 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason):
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
                   analysis_seconds=analysis, execute_seconds=execution)
     if policy == "auto":
-        cost.MODEL.observe(chosen, len(nodes), analysis, len(batches), execution, groups,
-                           calibrated=calibrate)
+        cost.MODEL.observe(chosen, len(nodes) - staged, analysis, len(batches), execution,
+                           groups, calibrated=calibrate, staged=bool(staged))
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": analysis,
                           "execute_seconds": execution, "predicted": predicted,
                           "calibrated": calibrate, "reason": reason,
-                          "padding": _report(padding)})
+                          "padding": _report(padding), "granularity": stages})
 
 
 _PAD_TIMED = 8   # timed launches after which an unpriced padded signature stops calibrating
@@ -179,3 +192,79 @@ def _report(padding):
     if padding is None:
         return None
     return {name: {k: v for k, v in r.items() if k != "info"} for name, r in padding.items()}
+
+
+def _granularity(nodes, stager, granularity, policy, budget, calibrate):
+    """Split the calls of block signatures with an input stage into two nodes
+    each (the input stage, then the rest) where ``granularity`` is 'split', or
+    where under 'auto' the cost model predicts it pays (see
+    ``cost.Model.split_gain``). Only signatures whose calls sit at two or more
+    depths are considered: at one depth, splitting merges nothing more.
+    Returns the nodes (input stage nodes inserted before their calls) and the
+    report for stats: per considered signature, the choice and why."""
+    by = {}
+    for n in nodes:
+        info = n.info
+        if info.op.stages is False:
+            continue
+        r = by.get(info)
+        if r is None:
+            by[info] = [n.depth, False, [n]]
+        else:
+            if n.depth != r[0]:
+                r[1] = True
+            r[2].append(n)
+    if not by:
+        return nodes, None
+    report = {}
+    plans = {}
+    for info, (_, deep, group) in by.items():
+        if not deep:
+            continue
+        plan = stager(info, group)
+        if plan is None:
+            continue
+        if granularity == "split":
+            use, why, pred = True, "set by the user", None
+        else:
+            use, why, pred = cost.MODEL.split_gain(info, plan, group, len(nodes), policy,
+                                                   budget, calibrate)
+        key = info.name if info.name not in report else \
+            "%s (signature %d)" % (info.name, info.id)
+        report[key] = {"granularity": "split" if use else "block", "why": why,
+                             "nodes": len(group), "predicted": pred}
+        if use:
+            plans[info] = plan
+    if not plans:
+        return nodes, report or None
+    out = []
+    for n in nodes:
+        plan = plans.get(n.info)
+        if plan is None:
+            out.append(n)
+            continue
+        ins = n.inputs
+        early = tuple([ins[i] for i in plan.early])
+        graph = n.graph
+        a = Node(plan.a_info, early, 1, n.site, n.mode, graph, n.seq, n.rows)
+        d = 0
+        w = 0
+        for x in early:
+            if isinstance(x, Ref):
+                for p in _sources(x):
+                    if p.batch is None and p.graph is graph:
+                        w += 1
+                        p.users.append(a)
+                        if p.depth > d:
+                            d = p.depth
+        # between its producers and its call: all input stages of a signature
+        # whose early inputs share a depth form one group
+        a.depth = d + 0.5
+        a.wait = w
+        a.users = [n]
+        n.wait += 1
+        n.info = plan.b_info
+        n.inputs = tuple([ins[i] for i in plan.late]) + plan.refs(a)
+        out.append(a)
+        out.append(n)
+    return out, report

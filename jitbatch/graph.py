@@ -125,6 +125,7 @@ class Graph(object):
         self.executing = False
         self.policy = None
         self.budget = None
+        self.granularity = None
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
 
     def add(self, info, inputs, site, mode, rows=None):

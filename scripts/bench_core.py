@@ -66,13 +66,16 @@ class Runner(object):
         else:
             # 'jit:POLICY' declares the cell's child axis zero-paddable (exact for
             # the child-sum cell: see examples/tree_lstm/model.py); 'jit:POLICY:nopad'
-            # does not, so calls with different child counts never merge
+            # does not, so calls with different child counts never merge;
+            # ':block' / ':split' fix the granularity (default: 'auto')
             parts = name.split(":")
-            if len(parts) > 2 and parts[2] == "nopad":
+            if "nopad" in parts[2:]:
                 jitbatch.zero_pad(self.net.encoder.cell)
             else:
                 jitbatch.zero_pad(self.net.encoder.cell, ch=1, cc=1)
-            self.net.hybridize(dynamic_batch=True, policy=parts[1])
+            gran = "split" if "split" in parts[2:] else ("block" if "block" in parts[2:]
+                                                         else "auto")
+            self.net.hybridize(dynamic_batch=True, policy=parts[1], granularity=gran)
 
     def step(self, batch, update=True):
         with autograd.record():

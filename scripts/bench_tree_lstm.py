@@ -18,6 +18,9 @@ Modes (all on ONE model, so the same parameters):
               counts may share a launch
   jit:auto:nopad  the same without the declaration (launches split by child
               count); also jit:depth:nopad, jit:agenda:nopad
+  jit:POLICY:block, jit:POLICY:split (also after :nopad)  granularity fixed
+              instead of 'auto': one node per cell call, or the cell's input
+              projections run as one launch across all depths
 
 Before timing, every mode must give the same loss on the first training
 minibatch and the same predictions on it (rtol 1e-4); the script aborts
@@ -90,11 +93,15 @@ def build_parser():
 def parse_args(argv):
     args = build_parser().parse_args(argv)
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = set(ALL_MODES) | set("jit:%s:nopad" % p for p in ("depth", "agenda", "auto"))
+    known = set(ALL_MODES)
+    for p in ("depth", "agenda", "auto"):
+        for pad in ("", ":nopad"):
+            for g in ("", ":block", ":split"):
+                known.add("jit:%s%s%s" % (p, pad, g))
     bad = [m for m in args.mode_list if m not in known]
     if bad or not args.mode_list:
-        raise SystemExit("--modes: unknown mode(s) %s; choose from %s (or jit:depth:nopad, "
-                         "jit:agenda:nopad)" % (", ".join(bad) or "(none)", ", ".join(ALL_MODES)))
+        raise SystemExit("--modes: unknown mode(s) %s; choose from %s (or jit:POLICY[:nopad]"
+                         "[:block|:split])" % (", ".join(bad) or "(none)", ", ".join(ALL_MODES)))
     args.slow = set(m.strip() for m in args.slow_modes.split(",") if m.strip())
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workload_list or set(args.workload_list) - {"train", "infer"}:
@@ -277,7 +284,8 @@ def main(argv=None, script=None):
                             seen[pol] = seen.get(pol, 0) + k
                         chosen[w] = {"policy": lf.get("policy"), "why": lf.get("why"),
                                      "flush_policies": seen, "padding": lf.get("padding"),
-                                     "nodes": lf.get("nodes"), "launches": lf.get("launches")}
+                                     "nodes": lf.get("nodes"), "launches": lf.get("launches"),
+                                     "granularity": lf.get("granularity")}
                 bar.update()
     bar.close()
 
@@ -322,6 +330,9 @@ def main(argv=None, script=None):
                       % (name.rsplit("_", 1)[-1], p["rows"], p["batches"], p["launches"],
                          p["units"] / max(p["rows"], 1), _secs(p["fixed_s"]),
                          _secs(p["per_unit_s"])))
+            for name, g in sorted((c.get("granularity") or {}).items()):
+                print("  granularity of %s: %s (%s)" % (name.rsplit("_", 1)[-1],
+                                                         g["granularity"], g["why"]))
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)

@@ -6,9 +6,10 @@ from mxnet import autograd, nd
 import jitbatch
 
 
-def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False):
+def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
+        granularity="auto"):
     if flag:
-        net.hybridize(dynamic_batch=True, policy=policy)
+        net.hybridize(dynamic_batch=True, policy=policy, granularity=granularity)
     elif hybridize_plain:
         net.hybridize()
     else:
@@ -41,11 +42,11 @@ def assert_same(ref, got, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(g2[k], g1[k], rtol=rtol, atol=atol, err_msg="grad " + k)
 
 
-def check_model(make, gen, apply, rng, n, train, policy):
+def check_model(make, gen, apply, rng, n, train, policy, granularity="auto"):
     net = make()
     samples = gen(rng, n)
     ref = run(net, apply, samples, train, flag=False)
     jitbatch.reset_stats()
-    got = run(net, apply, samples, train, flag=True, policy=policy)
+    got = run(net, apply, samples, train, flag=True, policy=policy, granularity=granularity)
     assert_same(ref, got)
     return jitbatch.stats()

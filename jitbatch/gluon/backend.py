@@ -562,6 +562,12 @@ class Backend(object):
         batch[0].info.op.launch(batch)
 
     @staticmethod
+    def stages(info, nodes):
+        """The input-stage plan of a block signature, or None (gluon/stages.py)."""
+        from . import hook, stages  # late: hook imports this module
+        return stages.plan_for(info, nodes, hook.TABLE, hook._new_info, hook._padsize)  # pylint: disable=protected-access
+
+    @staticmethod
     def wait(batch):
         """Block until a launched batch's outputs are computed (MXNet runs
         kernels asynchronously; the cost model's calibrating flushes time
@@ -574,7 +580,8 @@ BACKEND = Backend()
 
 
 def flush_graph(graph, forced=False, reason="flush"):
-    execute.flush(graph, BACKEND, graph.policy or "auto", graph.budget, forced, reason)
+    execute.flush(graph, BACKEND, graph.policy or "auto", graph.budget, forced, reason,
+                  graph.granularity or "auto")
 
 
 def force(node):

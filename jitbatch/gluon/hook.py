@@ -42,14 +42,16 @@ _SKIP = ("/mxnet/", "/jitbatch/gluon/", "/jitbatch/graph", "/contextlib")
 
 class BatchConfig(object):
     """The dynamic-batching flags of one block (set tree-wide by ``hybridize``)."""
-    __slots__ = ("policy", "budget")
+    __slots__ = ("policy", "budget", "granularity")
 
-    def __init__(self, policy, budget):
+    def __init__(self, policy, budget, granularity="auto"):
         self.policy = policy
         self.budget = budget
+        self.granularity = granularity
 
     def __repr__(self):
-        return "BatchConfig(policy=%r, analysis_budget=%r)" % (self.policy, self.budget)
+        return "BatchConfig(policy=%r, analysis_budget=%r, granularity=%r)" % (
+            self.policy, self.budget, self.granularity)
 
 
 def installed():
@@ -368,7 +370,7 @@ def _new_info(sid, key, ex, out_meta, batchable, name):
     return info
 
 
-_BLOCK_KEYS = ("blk", "pad", "rag")
+_BLOCK_KEYS = ("blk", "pad", "rag", "stg-in", "stg-main")
 _MEASURED = {}   # block signature key without its token -> its latest SigInfo
 
 
@@ -376,7 +378,8 @@ _MEASURED = {}   # block signature key without its token -> its latest SigInfo
 # blocks
 class BlockExec(object):
     """Runs the nodes of one block signature as one call of the block's CachedOp."""
-    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad")
+    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
+                 "stages")
 
     def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None):
         self.block = block
@@ -387,6 +390,7 @@ class BlockExec(object):
         self.mode = mode
         self.checked = False
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
+        self.stages = None  # its input-stage plan: None until looked for, False: none
 
     def launch(self, batch):
         n = len(batch)
@@ -624,7 +628,7 @@ def _record_block(self, g, x, args, frame):
         info = _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key)
     if not g.nodes:
         cfg = self._jb_cfg
-        g.policy, g.budget = cfg.policy, cfg.budget
+        g.policy, g.budget, g.granularity = cfg.policy, cfg.budget, cfg.granularity
     ctx = mc[0][2]
     site = _site_of(frame)
     if info.out_meta and info.out_meta[0][0][0] is None:
@@ -734,13 +738,15 @@ def _call(self, *args):
 _FLAT_IN = {n: [0] * n for n in range(1, 16)}
 _FLAT = {n: [0] * n for n in range(1, 16)}
 _FLAT[1] = 0
-_FLAG_KEYS = ("dynamic_batch", "policy", "analysis_budget")
+_FLAG_KEYS = ("dynamic_batch", "policy", "analysis_budget", "granularity")
+GRANULARITIES = ("auto", "block", "split")
 
 
 def _parse_flags(block, kwargs):
     db = kwargs.pop("dynamic_batch", False)
     policy = kwargs.pop("policy", "auto")
     budget = kwargs.pop("analysis_budget", None)
+    gran = kwargs.pop("granularity", "auto")
     if not isinstance(db, bool):
         raise FlagError("hybridize(dynamic_batch=%r) on %s: expected True or False"
                         % (db, block.name))
@@ -752,7 +758,12 @@ def _parse_flags(block, kwargs):
             raise FlagError("hybridize(analysis_budget=%r) on %s: expected a number >= 0 "
                             "(a fraction of the flush's predicted execution time) or None"
                             % (budget, block.name))
-    return BatchConfig(policy, None if budget is None else float(budget)) if db else None
+    if gran not in GRANULARITIES:
+        raise FlagError("hybridize(granularity=%r) on %s: expected one of %s ('block': a "
+                        "call is one node; 'split': a recursive block's input stage runs "
+                        "as one launch across depths; 'auto': the cost model decides)"
+                        % (gran, block.name, ", ".join(repr(g) for g in GRANULARITIES)))
+    return BatchConfig(policy, None if budget is None else float(budget), gran) if db else None
 
 
 def _make_hybridize(orig):

@@ -184,6 +184,7 @@ class OpExec(object):
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
                  "in_meta", "out_meta", "ctx", "mode", "invoke", "checked")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
+    stages = False  # no input stage (see gluon/stages.py)
 
     def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx,
                  mode, invoke):
