@@ -36,6 +36,7 @@ class Model(object):
         self._measured = set()       # which priors a measurement has replaced
         self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
         self.unbatched = None        # predicted one-launch-per-node seconds of this flush
+        self.last_groups = {}        # its depth groups (see depth_groups)
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -144,7 +145,7 @@ class Model(object):
     def choose(self, nodes, budget):
         """Return ``(policy, reason, predictions, depth group count)``."""
         n = len(nodes)
-        groups = self.depth_groups(nodes)
+        groups = self.last_groups = self.depth_groups(nodes)
         if n <= 1 or len(groups) == n:
             return "sequential", "no two nodes can run together: nothing to merge", {}, len(groups)
         lc = self.launch_cost
@@ -170,9 +171,10 @@ class Model(object):
             why = "cheapest predicted (analysis + execution)"
         return best, why, {p: {"analysis": a, "execute": e} for p, (a, e) in pred.items()}, len(groups)
 
-    def split_gain(self, info, plan, group, nodes, policy, budget, calibrate):
-        """Whether the calls of block signature ``info`` (``group``, in a flush of
-        ``nodes`` nodes scheduled by ``policy``) run their input stage as one
+    def split_gain(self, info, plan, depths, nodes, policy, budget, calibrate):
+        """Whether the calls of block signature ``info`` (``depths``: their count
+        per depth, in a flush of ``nodes`` nodes scheduled by ``policy``) run
+        their input stage as one
         launch of its own. Predicted per depth group: the block's launches
         against one input-stage launch over all of them plus the main stage's
         launches, plus the measured extra analysis per node of flushes that
@@ -186,16 +188,12 @@ class Model(object):
             if calibrate:
                 return True, "timing the split (calibrating flush)", None
             return False, "split not timed yet (next calibrating flush)", None
-        depths = {}
-        for n in group:
-            d = n.depth
-            depths[d] = depths.get(d, 0) + 1
         lc = self.launch_cost
         block = split = 0.0
         for c in depths.values():
             block += lc(info, c)
             split += lc(b_info, c)
-        split += lc(a_info, len(group))
+        split += lc(a_info, sum(depths.values()))
         an = self.analysis
         key = policy + "+split"
         extra = max(an.get(key, an[policy]) - an[policy], 0.0) * nodes

@@ -44,9 +44,12 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
     if granularity != "block" and chosen != "sequential" and \
             getattr(backend, "stages", None) is not None:
         n0 = len(nodes)
-        nodes, stages = _granularity(nodes, backend.stages, granularity if policy == "auto"
-                                     else ("split" if granularity == "split" else "block"),
-                                     chosen, budget, calibrate)
+        gran = granularity if policy == "auto" else \
+            ("split" if granularity == "split" else "block")
+        if gran != "block":
+            nodes, stages = _granularity(
+                nodes, backend.stages, gran, chosen, budget, calibrate,
+                cost.MODEL.last_groups if policy == "auto" else cost.Model.depth_groups(nodes))
         staged = len(nodes) - n0
     batches = schedule.SCHEDULERS[chosen](nodes)
     padding = units = None
@@ -194,45 +197,42 @@ def _report(padding):
     return {name: {k: v for k, v in r.items() if k != "info"} for name, r in padding.items()}
 
 
-def _granularity(nodes, stager, granularity, policy, budget, calibrate):
+def _granularity(nodes, stager, granularity, policy, budget, calibrate, groups):
     """Split the calls of block signatures with an input stage into two nodes
     each (the input stage, then the rest) where ``granularity`` is 'split', or
     where under 'auto' the cost model predicts it pays (see
     ``cost.Model.split_gain``). Only signatures whose calls sit at two or more
-    depths are considered: at one depth, splitting merges nothing more.
-    Returns the nodes (input stage nodes inserted before their calls) and the
-    report for stats: per considered signature, the choice and why."""
-    by = {}
-    for n in nodes:
-        info = n.info
+    depths are considered (at one depth, splitting merges nothing more); they
+    are found from the flush's depth groups ``groups`` ({(depth, signature):
+    [first node, count]}), so a flush that splits nothing does not visit its
+    nodes. Returns the nodes (input stage nodes inserted before their calls)
+    and the report for stats: per considered signature, the choice and why."""
+    per = {}
+    for (d, info), (_, count) in groups.items():
         if info.op.stages is False:
             continue
-        r = by.get(info)
-        if r is None:
-            by[info] = [n.depth, False, [n]]
+        c = per.get(info)
+        if c is None:
+            per[info] = {d: count}
         else:
-            if n.depth != r[0]:
-                r[1] = True
-            r[2].append(n)
-    if not by:
-        return nodes, None
+            c[d] = count
     report = {}
     plans = {}
-    for info, (_, deep, group) in by.items():
-        if not deep:
+    for info, depths in per.items():
+        if len(depths) < 2:
             continue
-        plan = stager(info, group)
+        plan = stager(info, nodes)
         if plan is None:
             continue
         if granularity == "split":
             use, why, pred = True, "set by the user", None
         else:
-            use, why, pred = cost.MODEL.split_gain(info, plan, group, len(nodes), policy,
+            use, why, pred = cost.MODEL.split_gain(info, plan, depths, len(nodes), policy,
                                                    budget, calibrate)
         key = info.name if info.name not in report else \
             "%s (signature %d)" % (info.name, info.id)
         report[key] = {"granularity": "split" if use else "block", "why": why,
-                             "nodes": len(group), "predicted": pred}
+                       "nodes": sum(depths.values()), "predicted": pred}
         if use:
             plans[info] = plan
     if not plans:

@@ -109,11 +109,6 @@ class _Plan(object):
         self.a_info, self.b_info = a_info, b_info
 
 
-class _Node(object):
-    def __init__(self, depth):
-        self.depth = depth
-
-
 def _timed(name, fixed, per_row):
     info = SigInfo(0, (name,), None, (((1, 2), np.float32),), True, name)
     for rows in (1, 2, 4, 8):
@@ -129,7 +124,7 @@ def _timed(name, fixed, per_row):
 def test_cost_model_chooses_granularity():
     m = cost.Model()
     m.analysis["depth"] = 1e-6
-    group = [_Node(d) for d in (2, 2, 2, 3, 3, 4)]      # 3 depths
+    group = {2: 3, 3: 2, 4: 1}      # calls per depth
     block = _timed("blk", 1e-3, 3e-4)           # 3 launches: 3e-3 + 6 * 3e-4 = 4.8e-3
     # input stage carries most of the per-row work: 1 launch 1e-3 + 6 * 2e-4;
     # main stage 3 launches of 1e-3 + rows * 1e-4: total 5.8e-3 -> block wins

@@ -141,14 +141,15 @@ def _stage_block(sym, inputs, block):
 
 
 def plan_for(info, nodes, table, new_info, padsize):
-    """The stage plan of block signature ``info`` (whose pending ``nodes`` are
-    given), found on its first flush and kept on its executor; None if it has
+    """The stage plan of block signature ``info`` (in a flush of ``nodes``),
+    found on its first flush and kept on its executor; None if it has
     none. ``table``/``new_info`` make the stages' signatures, ``padsize`` a
     zero-padded main stage's size function."""
     ex = info.op
     plan = ex.stages
     if plan is None:
-        plan = ex.stages = _make_plan(info, nodes, table, new_info, padsize) or False
+        mine = [n for n in nodes if n.info is info]
+        plan = ex.stages = _make_plan(info, mine, table, new_info, padsize) or False
     return plan or None
 
 
