@@ -22,6 +22,11 @@ Modes (all on ONE model, so the same parameters):
               instead of 'auto': one node per cell call, or the cell's input
               projections run as one launch across all depths
 
+With more than one thread, MXNet's OpenMP threads spin between kernels by
+default and take the cores Python needs: jitbatch's Python work (recording,
+analysis) then waits for a core. ``OMP_WAIT_POLICY=PASSIVE`` in the environment
+(read when MXNet loads) makes them sleep instead; the header prints it.
+
 Before timing, every mode must give the same loss on the first training
 minibatch and the same predictions on it (rtol 1e-4); the script aborts
 otherwise. Then the modes are timed in interleaved rounds (a warm-up
@@ -59,7 +64,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ALL_MODES = ("plain", "hybrid", "hand", "jit:depth", "jit:agenda", "jit:auto:nopad",
-             "jit:auto")
+             "jit:auto:split", "jit:auto")
 _REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
 SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
 
@@ -240,9 +245,10 @@ def main(argv=None, script=None):
     if len(pairs) < need:
         raise SystemExit("%s has %d training pairs; these settings need %d"
                          % (args.data, len(pairs), need))
-    print("loaded %d pairs (vocabulary %d) in %.1f s; OMP_NUM_THREADS=%s"
-          % (len(pairs), vocab_size, time.perf_counter() - t_load,
-             os.environ.get("OMP_NUM_THREADS")), flush=True)
+    print("loaded %d pairs (vocabulary %d) in %.1f s; OMP_NUM_THREADS=%s, "
+          "OMP_WAIT_POLICY=%s" % (len(pairs), vocab_size, time.perf_counter() - t_load,
+                                  os.environ.get("OMP_NUM_THREADS"),
+                                  os.environ.get("OMP_WAIT_POLICY", "(unset)")), flush=True)
 
     modes = Modes(bench_core, vocab_size, args.seed)
     first = check_same(modes, names, pairs[:args.train_size])
@@ -289,7 +295,8 @@ def main(argv=None, script=None):
                 bar.update()
     bar.close()
 
-    result = {"threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds,
+    result = {"threads": os.environ.get("OMP_NUM_THREADS"),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
               "first_loss": first[names[0]], "args": {k: v for k, v in vars(args).items()
                                                      if k not in ("slow",)},
               "workloads": {}}

@@ -26,10 +26,11 @@ def reference(tmp_path_factory):
                                "--epochs", "1", "--no-dynamic-batch"])
 
 
-@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
-def test_dynamic_batching_matches_per_sample(tmp_path, reference, policy):
+@pytest.mark.parametrize("policy,granularity", [("depth", "auto"), ("agenda", "auto"),
+                                                ("auto", "auto"), ("agenda", "split")])
+def test_dynamic_batching_matches_per_sample(tmp_path, reference, policy, granularity):
     got = run(tmp_path, policy, "--max-pairs", "8", "--batch-size", "4", "--epochs", "1",
-              "--dynamic-batch", "--policy", policy)
+              "--dynamic-batch", "--policy", policy, "--granularity", granularity)
     ref_losses, got_losses = reference["step_losses"], got["step_losses"]
     assert len(ref_losses) == len(got_losses) == 2
     np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-4)
@@ -39,6 +40,9 @@ def test_dynamic_batching_matches_per_sample(tmp_path, reference, policy):
         for key in ("pearson", "spearman", "mse"):
             np.testing.assert_allclose(got[split][key], reference[split][key], atol=2e-3)
     assert got["jitbatch"]["launches"] < got["jitbatch"]["nodes"]  # something was merged
+    if granularity == "split":
+        (g,) = got["jitbatch"]["last_flush"]["granularity"].values()
+        assert g["granularity"] == "split" and g["nodes"] > 0
     assert reference["jitbatch"]["nodes"] == 0
 
 

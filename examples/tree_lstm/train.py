@@ -78,6 +78,10 @@ def build_parser():
                    help="jitbatch scheduling policy (default: %(default)s)")
     e.add_argument("--analysis-budget", type=float, default=None, metavar="FRACTION",
                    help="jitbatch analysis budget for policy 'auto' (default: none)")
+    e.add_argument("--granularity", default="auto", choices=["auto", "block", "split"],
+                   help="jitbatch granularity: 'split' runs the cell's input projections "
+                        "as one launch across all tree levels, 'block' inside each "
+                        "level's launch, 'auto' lets the cost model choose (default)")
     e.add_argument("--zero-pad", action=argparse.BooleanOptionalAction, default=True,
                    help="declare the cell's child axis zero-paddable (exact for the "
                         "child-sum cell), so nodes with different child counts share "
@@ -294,9 +298,11 @@ def setup_execution(net, args):
             # absent children (h = c = 0) add nothing to a child-sum cell's outputs
             # or gradients: calls with different child counts may merge, padded
             jitbatch.zero_pad(net.encoder.cell, ch=1, cc=1)
-        net.hybridize(dynamic_batch=True, policy=args.policy, analysis_budget=args.analysis_budget)
-        return "dynamic batching (policy %s%s)" % (
-            args.policy, ", child axis zero-padded" if args.zero_pad else "")
+        net.hybridize(dynamic_batch=True, policy=args.policy,
+                      analysis_budget=args.analysis_budget, granularity=args.granularity)
+        return "dynamic batching (policy %s%s%s)" % (
+            args.policy, ", child axis zero-padded" if args.zero_pad else "",
+            "" if args.granularity == "auto" else ", granularity " + args.granularity)
     if args.hybridize:
         net.hybridize()
         return "per-sample hybridized"
