@@ -209,10 +209,10 @@ def _make_plan(info, nodes, table, new_info, padsize):
     a_ex = BlockExec(sa, [0] * len(a_in), a_in, a_meta, ex.ctx, ex.mode)
     b_ex = BlockExec(sb, [0] * len(b_in), b_in, info.out_meta, ex.ctx, ex.mode, b_pad)
     a_ex.stages = b_ex.stages = False
-    # like the block's keys, with the renewal token third (measurements carry
-    # over when the block is hybridized again: hook._new_info)
-    # the input stage depends only on the early inputs: calls of the block that
-    # differ in late inputs (e.g. their child count) share its launch
+    # keys like the block's, the renewal token third (measurements carry over
+    # when the block is hybridized again: hook._new_info); the input stage's
+    # key holds only what it reads, so calls of the block that differ in late
+    # inputs (e.g. their child count) share its launch
     k = info.key
     a_key = ("stg-in", k[1], k[2], tuple(a_pos), a_in, ex.mode, ragged)
     b_key = ("stg-main", k[1], k[2], k[0]) + tuple(k[3:])
