@@ -3,6 +3,13 @@
 #: the pending graph flushes itself when it holds this many nodes (bounded memory)
 max_pending = 200000
 
+#: under policy 'auto', flush a large pending graph in chunks while recording
+#: goes on, where the cost model predicts that running one chunk's kernels while
+#: the next is recorded saves more than the chunk's extra launches cost
+#: (``cost.Model.pipeline_limit``); False: a graph runs only when read (or at
+#: ``max_pending``)
+pipeline = True
+
 #: store a full stack per recorded node (slow) instead of one ``file:line`` call site
 debug = False
 

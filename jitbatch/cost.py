@@ -37,6 +37,7 @@ class Model(object):
         self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
         self.unbatched = None        # predicted one-launch-per-node seconds of this flush
         self.last_groups = {}        # its depth groups (see depth_groups)
+        self.pipe = {}               # autograd mode -> pipelining measurements
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -206,6 +207,40 @@ class Model(object):
             return True, "cheaper predicted (input stage merged across %d depths)" \
                 % len(depths), pred
         return False, "block cheaper predicted", pred
+
+    def observe_pipeline(self, mode, nodes, recording_s, analysis_s, execute_s, fixed_s):
+        """One 'auto' flush of ``nodes`` nodes recorded in ``mode`` (autograd
+        recording, training): seconds from its first record to the flush, its
+        analysis, its launches' predicted execution and their predicted fixed
+        costs (doubled under autograd recording: every launch has a backward)."""
+        if nodes < 2 or self.flushes < 2:
+            return      # the process's first flush pays tracing, not recording
+        new = (recording_s / nodes, (analysis_s + execute_s) / nodes,
+               fixed_s * (2.0 if mode[0] else 1.0))
+        p = self.pipe.get(mode)
+        if p is None:
+            self.pipe[mode] = list(new)
+        else:
+            for i, v in enumerate(new):
+                p[i] = 0.8 * p[i] + 0.2 * v
+
+    def pipeline_limit(self, mode):
+        """Pending nodes after which a graph recorded in ``mode`` runs what it
+        has while recording goes on (None: never). A chunk's analysis and
+        kernels (``k`` seconds per node) then overlap the next chunk's
+        recording (``r`` per node): a boundary after ``n`` nodes saves about
+        ``min(r, k) * n`` and costs one more set of launches (their fixed costs
+        ``f``). Chunks are made where the predicted saving is twice the cost,
+        ``n = 2 f / min(r, k)``: the overlap is not perfect (the next chunk's
+        analysis competes with the kernels for the two cores measured on), and
+        chunks of half that size measured no faster than none."""
+        p = self.pipe.get(mode)
+        if p is None:
+            return None
+        per = min(p[0], p[1])
+        if per <= 0:
+            return None
+        return max(int(2.0 * p[2] / per) + 1, 2)
 
     @staticmethod
     def passthrough_after(nodes, launches, nothing_to_merge=True):

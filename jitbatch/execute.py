@@ -81,9 +81,15 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
     calibrate = calibrate or (policy == "auto" and wait is not None and _unpriced(padding))
     graph.executing = True
     done = 0
+    fixed = predicted_s = 0.0   # the launches' predicted fixed costs and times
+    model = cost.MODEL if policy == "auto" else None
     try:
         clock = time.perf_counter
         for batch in batches:
+            if model is not None:
+                info = batch[0].info
+                fixed += model.launch_cost(info, 0)
+                predicted_s += model.launch_cost(info, len(batch))
             if done == split and prepare is not None:
                 ts = clock()
                 prepare(batches[split:])
@@ -125,11 +131,15 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
         t2 = time.perf_counter()
         analysis, execution = t1 - t0 + late, t2 - t1 - late
         STATS.add(flushes=1, forced_flushes=int(forced), auto_flushes=int(reason == "limit"),
+                  pipelined_flushes=int(reason == "pipeline"),
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
                   analysis_seconds=analysis, execute_seconds=execution)
     if policy == "auto":
         cost.MODEL.observe(chosen, len(nodes) - staged, analysis, len(batches), execution,
                            groups, calibrated=calibrate, staged=bool(staged))
+        if nodes:
+            cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, t0 - graph.t0,
+                                        analysis, predicted_s, fixed)
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),

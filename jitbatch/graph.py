@@ -1,6 +1,7 @@
 """The lazy graph: nodes recorded per sample, one pending graph per thread."""
 import gc
 import threading
+from time import perf_counter as _clock
 
 from . import config
 
@@ -127,10 +128,14 @@ class Graph(object):
         self.budget = None
         self.granularity = None
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
+        self.limit = config.max_pending   # pending nodes at which the graph runs itself
+        self.t0 = 0.0          # when its first pending node was recorded
 
     def add(self, info, inputs, site, mode, rows=None):
-        if not self.nodes and config.defer_gc and getattr(_local, "graph", None) is self:
-            gc_pause(self)
+        if not self.nodes:
+            self.t0 = _clock()
+            if config.defer_gc and getattr(_local, "graph", None) is self:
+                gc_pause(self)
         n = Node(info, inputs, 1, site, mode, self, self.seq, rows)
         d = 0
         wait = 0
@@ -155,6 +160,7 @@ class Graph(object):
     def take(self):
         """Remove and return the pending nodes (the flush owns them from here)."""
         nodes, self.nodes = self.nodes, []
+        self.limit = config.max_pending   # the next graph's first record sets its own
         return nodes
 
     def done(self):

@@ -67,8 +67,10 @@ class Runner(object):
             # 'jit:POLICY' declares the cell's child axis zero-paddable (exact for
             # the child-sum cell: see examples/tree_lstm/model.py); 'jit:POLICY:nopad'
             # does not, so calls with different child counts never merge;
-            # ':block' / ':split' fix the granularity (default: 'auto')
+            # ':block' / ':split' fix the granularity (default: 'auto'); ':nopipe'
+            # turns pipelined flushes off (jitbatch.config.pipeline)
             parts = name.split(":")
+            jitbatch.config.pipeline = "nopipe" not in parts[2:]
             if "nopad" in parts[2:]:
                 jitbatch.zero_pad(self.net.encoder.cell)
             else:

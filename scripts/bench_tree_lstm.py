@@ -21,6 +21,7 @@ Modes (all on ONE model, so the same parameters):
   jit:POLICY:block, jit:POLICY:split (also after :nopad)  granularity fixed
               instead of 'auto': one node per cell call, or the cell's input
               projections run as one launch across all depths
+  ...:nopipe  (last) pipelined flushes off (jitbatch.config.pipeline = False)
 
 With more than one thread, MXNet's OpenMP threads spin between kernels by
 default and take the cores Python needs: jitbatch's Python work (recording,
@@ -64,7 +65,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ALL_MODES = ("plain", "hybrid", "hand", "jit:depth", "jit:agenda", "jit:auto:nopad",
-             "jit:auto:split", "jit:auto")
+             "jit:auto:split", "jit:auto:nopipe", "jit:auto")
 _REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
 SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
 
@@ -102,11 +103,13 @@ def parse_args(argv):
     for p in ("depth", "agenda", "auto"):
         for pad in ("", ":nopad"):
             for g in ("", ":block", ":split"):
-                known.add("jit:%s%s%s" % (p, pad, g))
+                for pipe in ("", ":nopipe"):
+                    known.add("jit:%s%s%s%s" % (p, pad, g, pipe))
     bad = [m for m in args.mode_list if m not in known]
     if bad or not args.mode_list:
         raise SystemExit("--modes: unknown mode(s) %s; choose from %s (or jit:POLICY[:nopad]"
-                         "[:block|:split])" % (", ".join(bad) or "(none)", ", ".join(ALL_MODES)))
+                         "[:block|:split][:nopipe])" % (", ".join(bad) or "(none)",
+                                                        ", ".join(ALL_MODES)))
     args.slow = set(m.strip() for m in args.slow_modes.split(",") if m.strip())
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workload_list or set(args.workload_list) - {"train", "infer"}:

@@ -19,6 +19,7 @@ from mxnet.ndarray import register as _register
 from mxnet.symbol import Symbol
 
 from .. import config as _config
+from .. import cost
 from ..errors import BatchingError, FlagError
 from ..graph import Composite, current_graph
 from ..schedule import POLICIES
@@ -196,9 +197,21 @@ def _check_ctx(metas_ctx, what):
     return ctx
 
 
+def _limit(policy, mode):
+    """Pending nodes at which a new graph runs itself: ``max_pending``, or under
+    'auto' the cost model's chunk size for pipelined flushes."""
+    limit = _config.max_pending
+    if policy == "auto" and _config.pipeline:
+        chunk = cost.MODEL.pipeline_limit(mode)
+        if chunk is not None and chunk < limit:
+            limit = chunk
+    return limit
+
+
 def _maybe_autoflush(g):
-    if len(g.nodes) >= _config.max_pending:
-        backend.flush_graph(g, reason="limit")
+    if len(g.nodes) >= g.limit:
+        backend.flush_graph(g, reason="limit" if g.limit >= _config.max_pending
+                            else "pipeline")
 
 
 # ---------------------------------------------------------------------------------------
@@ -345,6 +358,8 @@ def _record_op(g, handle, ndargs, keys, vals, output_is_list):
         ex = OpExec(handle, name, rule, keys, [str(v) for v in vals], metas, out_meta,
                     ctx, mode, _orig_invoke)
         info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, rule is not None, name))
+    if not g.nodes:
+        g.limit = _limit(g.policy or "auto", mode)
     node = g.add(info, tuple(ndargs), _site(), mode)
     outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
@@ -629,6 +644,7 @@ def _record_block(self, g, x, args, frame):
     if not g.nodes:
         cfg = self._jb_cfg
         g.policy, g.budget, g.granularity = cfg.policy, cfg.budget, cfg.granularity
+        g.limit = _limit(cfg.policy, mode)
     ctx = mc[0][2]
     site = _site_of(frame)
     if info.out_meta and info.out_meta[0][0][0] is None:

@@ -18,7 +18,6 @@ exists (every input late, nothing computed from early inputs alone, an output
 that is early itself, a ragged or zero-padded early input, or a stage that
 does not batch along axis 0)."""
 import json
-import warnings
 
 import numpy as np
 from mxnet import symbol as _sym
@@ -132,10 +131,10 @@ def partition(out, names, early):
     return a_sym, a_inputs, b_sym, b_inputs
 
 
-def _stage_block(sym, inputs, block):
-    with warnings.catch_warnings():     # SymbolBlock warns that input dtypes are open
-        warnings.simplefilter("ignore")
-        sb = SymbolBlock(sym, [_sym.var(nm) for nm in inputs], params=block.collect_params())
+def _stage_block(sym, inputs, metas, block):
+    # inputs typed: SymbolBlock infers its parameters' types from them
+    sb = SymbolBlock(sym, [_sym.var(nm, dtype=np.dtype(m[1]).name) for nm, m in zip(inputs, metas)],
+                     params=block.collect_params())
     sb._flags = list(block._flags)  # pylint: disable=protected-access
     return sb
 
@@ -201,10 +200,10 @@ def _make_plan(info, nodes, table, new_info, padsize):
     if ragged and any(s[0] != 3 for s in o1):
         return None     # a ragged input stage must keep the call's rows
     from .hook import BlockExec
-    sa = _stage_block(a_sym, a_inputs, block)
-    sb = _stage_block(b_sym, b_inputs, block)
     a_in = tuple(ex.in_meta[i] for i in a_pos)
     b_in = tuple(ex.in_meta[i] for i in b_pos) + tuple((m[0], m[1]) for m in a_meta)
+    sa = _stage_block(a_sym, a_inputs, a_in, block)
+    sb = _stage_block(b_sym, b_inputs, b_in, block)
     b_pad = {b_pos.index(i): axis for i, axis in pad.items() if i in b_pos} or None
     a_ex = BlockExec(sa, [0] * len(a_in), a_in, a_meta, ex.ctx, ex.mode)
     b_ex = BlockExec(sb, [0] * len(b_in), b_in, info.out_meta, ex.ctx, ex.mode, b_pad)
