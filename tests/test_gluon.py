@@ -597,3 +597,41 @@ def test_stack_of_lazy_rows_is_virtual_and_other_stacks_are_not():
     want = nd.stack(net(nd.ones((1, 2))), net(nd.ones((1, 2)) * 2), axis=1).asnumpy()
     assert np.allclose(s1.asnumpy(), want)
     assert np.allclose(s0.asnumpy(), want.transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_twin_arguments_reuse_the_planned_index_rows(monkeypatch, policy):
+    # the binary cell reads each child's h and c: the same rows of the same
+    # launches, another output. The c argument's gather reuses the h argument's
+    # planned index rows (planned once, half the index), and the results are
+    # plain Gluon's, outputs and gradients
+    from jitbatch.gluon import backend
+    from models import binary_apply
+    samples = binary_samples(np.random.default_rng(5), 5, depth=3)
+    net = BinaryTreeNet()
+    net.initialize(mx.init.Uniform(0.5))
+    ref = run(net, binary_apply, samples, True, flag=False)
+
+    def batched(twins):
+        index, plans = [], []
+        make_index, gather = backend._index_array, backend.gather_batch
+        monkeypatch.setattr(backend, "_index_array",
+                            lambda lst, ctx: index.append(len(lst)) or make_index(lst, ctx))
+        monkeypatch.setattr(backend, "gather_batch",
+                            lambda batch: plans.append(batch[0].plan[0]) or gather(batch))
+        if not twins:
+            monkeypatch.setattr(backend, "_twin_plan", lambda *a: None)
+        got = run(net, binary_apply, samples, True, flag=True, policy=policy)
+        monkeypatch.undo()
+        assert_same(ref, got)
+        return sum(index), [p for p in plans if len(p) == 5]   # the cell's launches
+    with_twins, cells = batched(True)
+    without, _ = batched(False)
+    assert with_twins < without
+    read = 0
+    for p in cells:
+        for h, c in ((p[1], p[2]), (p[3], p[4])):   # (hl, cl), (hr, cr)
+            assert (c.kind, c.start, c.stop, c.values) == (h.kind, h.start, h.stop, h.values)
+            assert c.srcs == [(s[0], 1) if type(s) is tuple else s for s in h.srcs]
+            read += type(h.srcs[0]) is tuple
+    assert read == 4      # levels 2 and 3 read launch outputs, each (hl, cl) and (hr, cr)

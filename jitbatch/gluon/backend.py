@@ -491,21 +491,77 @@ def prepare(batches):
             continue
         ex = first.info.op
         lst = index.setdefault(ex.ctx, [])
-        cols = zip(*[node.inputs for node in batch])   # per argument: its values
+        cols = list(zip(*[node.inputs for node in batch]))   # per argument: its values
         pad = ex.pad
-        if pad is None:
-            first.plan = [plan_gather(col, meta[0], lst, sizes)
-                          for col, meta in zip(cols, ex.in_meta)]
-        else:
-            first.plan = [plan_gather(col, meta[0], lst, sizes) if j not in pad else
-                          plan_padded(col, meta[0], pad[j], lst, sizes)
-                          for j, (col, meta) in enumerate(zip(cols, ex.in_meta))]
-        gathers += sum(p.kind != "id" for p in first.plan)
+        in_meta = ex.in_meta
+        plans = []
+        for j, col in enumerate(cols):
+            axis = None if pad is None else pad.get(j)
+            plan = _twin_plan(cols, plans, j, in_meta, pad, axis)
+            if plan is None:
+                plan = plan_gather(col, in_meta[j][0], lst, sizes) if axis is None else \
+                    plan_padded(col, in_meta[j][0], axis, lst, sizes)
+            plans.append(plan)
+        first.plan = plans
+        gathers += sum(p.kind != "id" for p in plans)
         planned.append(first)
     arrays = {ctx: _index_array(lst, ctx) for ctx, lst in index.items() if lst}
     for first in planned:
         first.plan = (first.plan, arrays.get(first.info.op.ctx))
     STATS.add(gather_ops=gathers)
+
+
+def _twin_plan(cols, plans, j, in_meta, pad, axis):
+    """The plan of argument ``j`` taken from an earlier argument's, when ``j``
+    reads the same rows of the same launches, only from another output (the
+    children's cell states beside their hidden states): the same index rows,
+    other sources. None when no earlier argument is such a twin."""
+    meta = in_meta[j]
+    for i in range(j):
+        if in_meta[i] != meta or plans[i].kind == "each" or \
+                (pad is not None and pad.get(i) != axis):
+            continue
+        kmap = {}
+        if _twins(cols[i], cols[j], kmap):
+            p = plans[i]
+            srcs = [(s[0], kmap[s[1]]) if type(s) is tuple else s for s in p.srcs]
+            return Plan(p.kind, srcs, p.start, p.stop, p.want, p.values, p.have, p.pad)
+    return None
+
+
+def _twins(a_values, b_values, kmap):
+    """True if, value by value, ``b_values`` read the rows ``a_values`` read,
+    either the very same values or the same nodes' rows of another output ``k``
+    of the same row layout, one output of ``b`` per output of ``a`` (``kmap``,
+    filled in)."""
+    for a, b in zip(a_values, b_values):
+        if type(a) is not LazyArray or type(b) is not LazyArray:
+            if a is b:      # one concrete array (a zero state, a constant)
+                continue
+            return False
+        node = a._node
+        if type(node) is Composite:
+            other = b._node
+            if type(other) is not Composite or len(node.parts) != len(other.parts) or \
+                    not _twins(node.parts, other.parts, kmap):
+                return False
+            continue
+        if node is not b._node or a._view != b._view:
+            return False
+        if node is DETACHED:
+            if a is b:
+                continue
+            return False
+        ka, kb = a._k, b._k
+        k = kmap.get(ka)
+        if k is None:
+            rows = node.info.out_rows
+            if rows[ka] != rows[kb]:
+                return False
+            kmap[ka] = kb
+        elif k != kb:
+            return False
+    return True
 
 
 def _index_array(lst, ctx):
