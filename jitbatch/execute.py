@@ -54,7 +54,7 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
     batches = schedule.SCHEDULERS[chosen](nodes)
     padding = units = None
     for batch in batches:
-        if batch[0].info.padsize is not None:
+        if batch[0].info.pad_axes is not None:
             batches, padding, units = _split_padded(batches)
             break
     for batch in batches:
@@ -101,7 +101,7 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
                 dt = clock() - ts
                 info = batch[0].info
                 rows = len(batch)
-                if info.padsize is not None:
+                if info.pad_axes is not None:
                     cost.MODEL.observe_padded(info, rows, units[done], dt)
                 info.launch_cost += dt
                 info.launches += 1
@@ -179,7 +179,7 @@ def _split_padded(batches):
     prices = {}
     for batch in batches:
         info = batch[0].info
-        if info.padsize is None:
+        if info.pad_axes is None:
             out.append(batch)
             units.append(0)
             continue

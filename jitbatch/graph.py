@@ -20,10 +20,11 @@ class Node(object):
 
     ``inputs`` holds the call's tensor arguments as given (lazy Refs or concrete
     arrays), ``depth`` is 1 + the deepest pending producer, ``site`` a cheap call
-    site for error messages. After execution ``batch`` holds the launch's
+    site for error messages (``pad``: see ``SigInfo.pad_axes``). After execution ``batch`` holds the launch's
     outputs (flat batched arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
-                 "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait", "height")
+                 "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait", "height",
+                 "pad")
 
     def __init__(self, info, inputs, depth, site, mode, graph, seq, rows=None):
         self.info = info
@@ -43,6 +44,7 @@ class Node(object):
         self.users = None   # pending nodes that read this one (one entry per read)
         self.wait = 0       # reads of pending producers (scheduling counts them down)
         self.height = 1     # longest path to a sink (computed by the agenda)
+        self.pad = 0        # a zero-padded signature's node: its size along the padded axes
 
     def __repr__(self):
         state = "done" if self.batch is not None else ("failed" if self.error else "pending")

@@ -88,16 +88,15 @@ def by_agenda(nodes):
 
 def split_padded(batch, fixed, per_unit):
     """Split a batch of a zero-padded signature into launches by size, where that
-    pays: each launch pads its nodes to its largest size ``k``; a launch costs
+    pays: each launch pads its nodes to its largest size ``k`` (``Node.pad``); a launch costs
     ``fixed`` plus ``per_unit`` per padded unit (``nodes x k``). The sizes are
     sorted and cut into consecutive runs by dynamic programming (exact: an
     optimal split never interleaves sizes). Returns the launches, smallest
     sizes first (the batch itself when merging everything is cheapest, or when
     ``fixed`` is None: no prices), and each launch's largest size."""
-    size = batch[0].info.padsize
     by = {}
     for n in batch:
-        k = size(n)
+        k = n.pad
         g = by.get(k)
         if g is None:
             by[k] = [n]

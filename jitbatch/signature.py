@@ -9,12 +9,14 @@ class SigInfo(object):
     ``(shape, dtype)`` per output (per-sample shapes); ``out_rows`` per output
     its rows per sample (None: ragged, each node has its own) and the shape of
     one row; ``batchable`` False means nodes run one launch each (no batching
-    rule). ``padsize`` is None, or for a signature whose calls differ in a
-    zero-paddable size (``jitbatch.zero_pad``) a function giving a node's size:
-    a launch pads every node to its largest, and ``pad_fit`` sums what the cost
-    model needs to price that padding (``cost.Model.pad_costs``)."""
+    rule). ``pad_axes`` is None, or for a signature whose calls differ in a
+    zero-paddable size (``jitbatch.zero_pad``) its padded ``(input, axis)``
+    pairs: each node's size (the largest along them) is taken when it is
+    recorded (``Node.pad``), a launch pads every node to its largest, and
+    ``pad_fit`` sums what the cost model needs to price that padding
+    (``cost.Model.pad_costs``)."""
     __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
-                 "launch_rows", "launches", "launch_rr", "launch_cr", "padsize", "pad_fit",
+                 "launch_rows", "launches", "launch_rr", "launch_cr", "pad_axes", "pad_fit",
                  "pad_seen")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
@@ -30,7 +32,7 @@ class SigInfo(object):
         self.launches = 0
         self.launch_rr = 0       # sum of rows^2 and of seconds*rows: a least-squares
         self.launch_cr = 0.0     # line of launch time against rows (cost.Model)
-        self.padsize = None
+        self.pad_axes = None
         self.pad_fit = None
         self.pad_seen = 0        # flushes this padded signature ran in
 

@@ -132,18 +132,18 @@ def test_cost_model_splits_by_size(monkeypatch, prices, launches):
 
 
 class _N(object):
-    __slots__ = ("info", "k")
+    __slots__ = ("info", "k", "pad")
 
     def __init__(self, info, k):
         self.info = info
-        self.k = k
+        self.k = self.pad = k
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_split_is_optimal(seed):
     rng = np.random.default_rng(seed)
     info = SigInfo(0, "c", None, (), True, "c")
-    info.padsize = lambda n: n.k
+    info.pad_axes = ((0, 1),)
     batch = [_N(info, int(k)) for k in rng.integers(1, 7, size=int(rng.integers(2, 30)))]
     fixed, per = float(rng.uniform(0.1, 3)), float(rng.uniform(0.01, 0.5))
     parts, kmax = schedule.split_padded(batch, fixed, per)

@@ -633,7 +633,7 @@ class Backend(object):
     def stages(info, nodes):
         """The input-stage plan of a block signature, or None (gluon/stages.py)."""
         from . import hook, stages  # late: hook imports this module
-        return stages.plan_for(info, nodes, hook.TABLE, hook._new_info, hook._padsize)  # pylint: disable=protected-access
+        return stages.plan_for(info, nodes, hook.TABLE, hook._new_info)  # pylint: disable=protected-access
 
     @staticmethod
     def wait(batch):

@@ -504,7 +504,7 @@ def _block_info(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, pad and dict(pad))
     info = TABLE.add(key, lambda sid: _new_info(sid, key, ex, out_meta, True, block.name))
     if pad is not None:
-        info.padsize = _padsize(sorted(pad.items()))
+        info.pad_axes = tuple(sorted(pad.items()))
     return info
 
 
@@ -532,18 +532,15 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
                                                shapes, tuple(b), grown))
 
 
-def _padsize(pads):
-    """A node's size along its padded axes (the largest, if several)."""
-    if len(pads) == 1:
-        (i, axis), = pads
-
-        def size(node):
-            return _meta(node.inputs[i])[0][axis]
-    else:
-        def size(node):
-            ins = node.inputs
-            return max([_meta(ins[i])[0][axis] for i, axis in pads])
-    return size
+def _padsize(mc, pads):
+    """A call's size along its padded axes (the largest, if several), from its
+    inputs' metas ``mc``."""
+    k = 0
+    for i, axis in pads:
+        s = mc[i][0][axis]
+        if s > k:
+            k = s
+    return k
 
 
 def _pad_names(block):
@@ -653,6 +650,8 @@ def _record_block(self, g, x, args, frame):
                 for k, m in enumerate(info.out_meta)]
     else:
         node = g.add(info, tuple(flat), site, mode)
+        if info.pad_axes is not None:
+            node.pad = _padsize(mc, info.pad_axes)
         outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
     fmt = self._out_format  # pylint: disable=protected-access

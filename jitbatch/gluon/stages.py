@@ -139,20 +139,19 @@ def _stage_block(sym, inputs, metas, block):
     return sb
 
 
-def plan_for(info, nodes, table, new_info, padsize):
+def plan_for(info, nodes, table, new_info):
     """The stage plan of block signature ``info`` (in a flush of ``nodes``),
     found on its first flush and kept on its executor; None if it has
-    none. ``table``/``new_info`` make the stages' signatures, ``padsize`` a
-    zero-padded main stage's size function."""
+    none. ``table``/``new_info`` make the stages' signatures."""
     ex = info.op
     plan = ex.stages
     if plan is None:
         mine = [n for n in nodes if n.info is info]
-        plan = ex.stages = _make_plan(info, mine, table, new_info, padsize) or False
+        plan = ex.stages = _make_plan(info, mine, table, new_info) or False
     return plan or None
 
 
-def _make_plan(info, nodes, table, new_info, padsize):
+def _make_plan(info, nodes, table, new_info):
     ex = info.op
     ragged = bool(info.out_meta) and info.out_meta[0][0][0] is None
     late = _late_positions(info, nodes)
@@ -220,5 +219,6 @@ def _make_plan(info, nodes, table, new_info, padsize):
     b_info = table.add(b_key, lambda sid: new_info(sid, b_key, b_ex, info.out_meta, True,
                                                    info.name + "[main stage]"))
     if b_pad:
-        b_info.padsize = padsize(sorted(b_pad.items()))
+        # a call keeps its node (and the size it was recorded with) as the main stage
+        b_info.pad_axes = tuple(sorted(b_pad.items()))
     return StagePlan(tuple(a_pos), tuple(b_pos), a_info, b_info, a_meta, ex.ctx)
