@@ -27,6 +27,7 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
         _flush(graph, nodes, backend, policy, budget, forced, reason, granularity)
     finally:
         graph.done()
+    graph.retire(nodes, release=forced)
 
 
 _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch

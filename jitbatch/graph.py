@@ -132,6 +132,9 @@ class Graph(object):
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
         self.limit = config.max_pending   # pending nodes at which the graph runs itself
         self.t0 = 0.0          # when its first pending node was recorded
+        self.retired = []      # node lists of finished flushes (see retire)
+        self.retired_nodes = 0
+        self.kept = None       # node lists of the last release
 
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:
@@ -169,6 +172,38 @@ class Graph(object):
         """The flush is over: release this graph's pause of the GC."""
         gc_resume(self)
 
+    def retire(self, nodes, release):
+        """Keep a flush's executed ``nodes`` with their inputs, and release what
+        is kept when ``release`` is true (the flush was forced by a read, which
+        now waits for the kernels it launched) or more than ``RETIRED_FLUSHES``
+        flushes or ``config.max_pending`` nodes are kept (bounded memory)."""
+        if nodes:
+            self.retired.append(nodes)
+            self.retired_nodes += len(nodes)
+        if release or len(self.retired) > RETIRED_FLUSHES or \
+                self.retired_nodes > config.max_pending:
+            self.release(keep=release)
+
+    def release(self, keep=True):
+        """Free the inputs of the retired nodes (lazy arrays, composites, the
+        links between nodes), and with ``keep`` hold the node lists until the
+        next release, so that the nodes themselves are freed then, once the
+        user has dropped their outputs. Call it where the thread is about to
+        wait for kernels: freeing a graph is ~10% of a Tree-LSTM inference
+        batch, which in front of the next launches (or when the next batch's
+        recording drops the last output) delays the kernels, and during the
+        wait costs nothing."""
+        lists = self.retired
+        if not lists:
+            return
+        for lst in lists:
+            for n in lst:
+                n.inputs = ()
+                n.users = None
+        self.kept = lists if keep else None
+        self.retired = []
+        self.retired_nodes = 0
+
     def discard_since(self, mark, error):
         """Drop the nodes recorded after the first ``mark`` ones (a user call that
         raised while recording): they are marked failed with ``error`` and
@@ -199,6 +234,9 @@ class Graph(object):
                 "jitbatch.flush() in the recording thread before handing it over."
                 % (self.thread, threading.get_ident()))
 
+
+#: flushes whose nodes are kept at most without a read releasing them (see Graph.retire)
+RETIRED_FLUSHES = 16
 
 _gc_lock = threading.Lock()
 _gc_pausers = {}        # id of a graph holding the GC paused -> its thread

@@ -635,3 +635,40 @@ def test_twin_arguments_reuse_the_planned_index_rows(monkeypatch, policy):
             assert c.srcs == [(s[0], 1) if type(s) is tuple else s for s in h.srcs]
             read += type(h.srcs[0]) is tuple
     assert read == 4      # levels 2 and 3 read launch outputs, each (hl, cl) and (hr, cr)
+
+
+def test_flushed_graphs_are_freed_when_a_read_waits():
+    # a flush keeps its nodes and their inputs; a read (which then waits for the
+    # kernels) frees the inputs, and the previous read's nodes once their
+    # outputs are dropped; without reads, at most RETIRED_FLUSHES flushes are kept
+    import gc
+    import sys
+    from jitbatch import graph as jgraph
+    net = BinaryTreeNet()
+    net.initialize(mx.init.Uniform(0.5))
+    net.hybridize(dynamic_batch=True, policy="agenda")
+    g = jitbatch.current_graph()
+    rng = np.random.default_rng(1)
+    was = gc.isenabled()
+    gc.disable()                     # freed by reference counts alone
+    try:
+        outs = [net(*s) for s in binary_samples(rng, 3, depth=2)]
+        node = outs[0]._node
+        jitbatch.flush()             # not a read: kept whole
+        assert node.inputs != () and g.retired
+        outs[0].asnumpy()            # a read: inputs released, the nodes held
+        assert node.inputs == () and not g.retired
+        del outs
+        assert any(n is node for lst in g.kept for n in lst)
+        more = [net(*s) for s in binary_samples(rng, 3, depth=2)]
+        more[1].asnumpy()            # a forced read: the last read's nodes go
+        assert not any(n is node for lst in g.kept for n in lst)
+        assert sys.getrefcount(node) == 2   # only ours (and the call's) are left
+        assert more[1]._node.inputs == ()
+        for _ in range(jgraph.RETIRED_FLUSHES + 3):
+            net(*binary_samples(rng, 1, depth=2)[0])
+            jitbatch.flush()
+            assert len(g.retired) <= jgraph.RETIRED_FLUSHES
+    finally:
+        if was:
+            gc.enable()

@@ -5,6 +5,7 @@ basic indexing stay lazy; anything that needs the data (``asnumpy``, printing,
 ``backward``, in-place writes, unknown C-API uses) goes through ``handle``,
 which flushes the pending graph and materialises this array's rows."""
 import numbers
+from threading import get_ident as _get_ident
 
 from mxnet import ndarray as _nd
 from mxnet.ndarray import NDArray
@@ -93,6 +94,9 @@ class LazyArray(NDArray, Ref):
             backend.force(node)
         v = backend.row_value(self)
         self._value = v
+        g = node.graph
+        if g.retired and not g.executing and g.thread == _get_ident():
+            g.release()   # a read: what flushes kept is freed while the kernels run
         return v
 
     def value(self):

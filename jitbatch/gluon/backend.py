@@ -585,11 +585,11 @@ def gather_batch(batch):
 
 
 def finish(batch, outs):
+    # the nodes' inputs are released later, when a read waits for the kernels
+    # (Graph.retire), not here in front of the next launch
     batch[0].group.outs = outs
     for node in batch:
         node.batch = outs
-        node.inputs = ()
-        node.users = None
 
 
 def row_value(v):
