@@ -11,6 +11,10 @@ scripts/make_sick_like.py --full when missing). Two workloads:
 Modes (all on ONE model, so the same parameters):
   plain       per-sample Gluon, not hybridized
   hybrid      per-sample Gluon, hybridized blocks
+  fold        Fold-style batching (examples/tree_lstm/fold_batched.py): the technique of
+              TensorFlow Fold and the Gluon Fold helper (szha/mxnet-fold), which is not
+              installable here: per depth and signature one call on concatenated
+              inputs, outputs split into one array per operation
   hand        hand-written level-by-level batching (examples/tree_lstm/hand_batched.py)
   jit:POLICY  jitbatch, net.hybridize(dynamic_batch=True, policy=POLICY), POLICY in
               depth, agenda, auto, with the cell's child axis declared zero-paddable
@@ -64,7 +68,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ALL_MODES = ("plain", "hybrid", "hand", "jit:depth", "jit:agenda", "jit:auto:nopad",
+ALL_MODES = ("plain", "hybrid", "fold", "hand", "jit:depth", "jit:agenda", "jit:auto:nopad",
              "jit:auto:split", "jit:auto:nopipe", "jit:auto")
 _REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
 SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
@@ -151,25 +155,27 @@ class Modes(object):
 
     def __init__(self, bench_core, vocab_size, seed):
         from mxnet import autograd, nd
+        from examples.tree_lstm.fold_batched import FoldBatched
         from examples.tree_lstm.hand_batched import HandBatched
         from examples.tree_lstm.model import expected_score
         self.nd, self.autograd, self.expected_score = nd, autograd, expected_score
         self.run = bench_core.Runner(vocab_size, seed=seed)
         self.net = self.run.net
-        self.hand = HandBatched(self.net, hybridize=False)
+        self.batched = {"hand": HandBatched(self.net, hybridize=False),
+                        "fold": FoldBatched(self.net)}
         self.current = None
 
     def mode(self, name):
         self.current = name
-        self.run.mode("hybrid" if name == "hand" else name)
+        self.run.mode("hybrid" if name in self.batched else name)
 
     def train_step(self, batch, update=True):
-        if self.current != "hand":
+        if self.current not in self.batched:
             return self.run.step(batch, update=update)
         nd = self.nd
         target = nd.concat(*[s[4] for s in batch], dim=0)
         with self.autograd.record():
-            total = nd.sum(self.run.loss(self.hand(batch), target))
+            total = nd.sum(self.run.loss(self.batched[self.current](batch), target))
         total.backward()
         if update:
             self.run.trainer.step(len(batch))
@@ -177,8 +183,8 @@ class Modes(object):
 
     def infer_step(self, batch):
         nd = self.nd
-        if self.current == "hand":
-            logp = self.hand(batch)
+        if self.current in self.batched:
+            logp = self.batched[self.current](batch)
         else:
             logp = nd.concat(*[self.net(*s[:4]) for s in batch], dim=0)
         return self.expected_score(logp).asnumpy()

@@ -1,5 +1,6 @@
-"""The hand-written level-by-level batched Tree-LSTM (examples/tree_lstm/hand_batched.py)
-computes what the per-sample plain model computes: outputs and parameter gradients."""
+"""The baselines of the benchmark compute what the per-sample plain model computes
+(outputs and parameter gradients): the hand-written level-by-level batched Tree-LSTM
+(examples/tree_lstm/hand_batched.py) and the Fold-style one (fold_batched.py)."""
 import numpy as np
 import pytest
 import mxnet as mx
@@ -7,6 +8,7 @@ from mxnet import autograd, gluon, nd
 
 import jitbatch
 from examples.tree_lstm import data as D
+from examples.tree_lstm.fold_batched import Fold, FoldBatched
 from examples.tree_lstm.hand_batched import HandBatched, plan
 from examples.tree_lstm.model import SimilarityTreeLSTM
 
@@ -130,3 +132,52 @@ def test_clears_dynamic_batch_flag(case):
 def test_empty_minibatch_is_an_error():
     with pytest.raises(ValueError):
         HandBatched(make_net())([])
+
+
+@pytest.mark.parametrize("hybridize", [True, False])
+def test_fold_outputs_and_gradients_equal_per_sample(case, hybridize):
+    pairs, tgt = case
+    net = make_net(3)
+    net.hybridize(active=False)
+    ref_out = per_sample(net, pairs).asnumpy()
+    ref_loss, ref_grads = loss_and_grads(net, lambda: per_sample(net, pairs), tgt)
+    net.hybridize(active=hybridize)
+    fold = FoldBatched(net)
+    np.testing.assert_allclose(fold(pairs).asnumpy(), ref_out, rtol=RTOL, atol=ATOL)
+    loss, grads = loss_and_grads(net, lambda: fold(pairs), tgt)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for name, g in ref_grads.items():
+        np.testing.assert_allclose(grads[name], g, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_fold_runs_one_call_per_depth_and_signature():
+    # three chains and a pair: per depth, one call per distinct signature
+    # (the function and its arguments' shapes / producers)
+    calls = []
+
+    def f(x):
+        calls.append(x.shape)
+        return x * 2
+
+    def g(a, b):
+        calls.append(("g", a.shape))
+        return a + b
+    fold = Fold(mx.cpu())
+    ones = nd.ones((1, 3))
+    chains = []
+    for length in (3, 1, 2):
+        r = fold.add(f, ones)
+        for _ in range(length - 1):
+            r = fold.add(f, r)
+        chains.append(r)
+    pair = fold.add(g, chains[0], chains[2])
+    outs = fold.run(chains + [pair])
+    assert calls == [(3, 3), (2, 3), (1, 3), ("g", (1, 3))]
+    np.testing.assert_allclose(outs[0].asnumpy(), 8 * np.ones((1, 3)))
+    np.testing.assert_allclose(outs[1].asnumpy(), 2 * np.ones((1, 3)))
+    np.testing.assert_allclose(outs[3].asnumpy(), 12 * np.ones((1, 3)))
+
+
+def test_fold_empty_minibatch_is_an_error():
+    with pytest.raises(ValueError):
+        FoldBatched(make_net())([])
