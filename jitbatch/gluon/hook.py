@@ -1,6 +1,7 @@
 """The only place that patches MXNet: the hybridize flag, block-call and operator
 interception. Every patch is recorded and reverted by ``uninstall()``."""
 import ctypes
+import dis
 import sys
 from functools import wraps as _wraps
 import threading
@@ -132,15 +133,27 @@ def _site_of(f):
         f = f.f_back
     if f is None:
         return "?"
-    return Site(f.f_code, f.f_lineno)
+    return Site(f.f_code, f.f_lasti)
 
 
 class Site(object):
-    __slots__ = ("code", "line")
+    """A call site: the code object and the offset of the call instruction in
+    it, turned into a line number only when asked (``frame.f_lineno`` scans the
+    code's line table on every record: ~0.2 us of a ~5 us record)."""
+    __slots__ = ("code", "lasti")
 
-    def __init__(self, code, line):
+    def __init__(self, code, lasti):
         self.code = code
-        self.line = line
+        self.lasti = lasti
+
+    @property
+    def line(self):
+        last = None
+        for start, line in dis.findlinestarts(self.code):
+            if start > self.lasti:
+                break
+            last = line
+        return last if last is not None else self.code.co_firstlineno
 
     def __str__(self):
         return "%s:%d in %s" % (self.code.co_filename, self.line, self.code.co_name)
