@@ -26,6 +26,22 @@ analysis, is always allowed). The agenda is predicted to save, per launch it
 merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
 analysis."""
+import math
+
+
+def _ema(old, new):
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
+class Pipe(object):
+    """Per autograd mode, what pipelined flushes are decided from (moving
+    averages): predicted kernel seconds per node, seconds to issue a flush's
+    launches, nodes per graph (between reads), and the current graph's so far."""
+    __slots__ = ("kernel", "issue", "graph", "open")
+
+    def __init__(self):
+        self.kernel = self.issue = self.graph = None
+        self.open = 0
 
 
 class Model(object):
@@ -208,39 +224,45 @@ class Model(object):
                 % len(depths), pred
         return False, "block cheaper predicted", pred
 
-    def observe_pipeline(self, mode, nodes, recording_s, analysis_s, execute_s, fixed_s):
+    def observe_pipeline(self, mode, nodes, execute_s, issue_s, ends_graph):
         """One 'auto' flush of ``nodes`` nodes recorded in ``mode`` (autograd
-        recording, training): seconds from its first record to the flush, its
-        analysis, its launches' predicted execution and their predicted fixed
-        costs (doubled under autograd recording: every launch has a backward)."""
+        recording, training): its launches' predicted execution (kernels
+        included), the seconds Python took to issue them (None for a
+        calibrating flush: its issue time includes waiting for kernels), and
+        whether the graph ended there (a read or ``jitbatch.flush()``; else it
+        was a chunk, and recording goes on)."""
         if nodes < 2 or self.flushes < 2:
-            return      # the process's first flush pays tracing, not recording
-        new = (recording_s / nodes, (analysis_s + execute_s) / nodes,
-               fixed_s * (2.0 if mode[0] else 1.0))
+            return      # the process's first flush pays tracing
         p = self.pipe.get(mode)
         if p is None:
-            self.pipe[mode] = list(new)
-        else:
-            for i, v in enumerate(new):
-                p[i] = 0.8 * p[i] + 0.2 * v
+            p = self.pipe[mode] = Pipe()
+        p.kernel = _ema(p.kernel, execute_s / nodes)
+        if issue_s is not None:
+            # every launch of a training graph has a backward to issue too
+            p.issue = _ema(p.issue, issue_s * (2.0 if mode[0] else 1.0))
+        p.open += nodes
+        if ends_graph:
+            p.graph = _ema(p.graph, p.open)
+            p.open = 0
 
     def pipeline_limit(self, mode):
         """Pending nodes after which a graph recorded in ``mode`` runs what it
-        has while recording goes on (None: never). A chunk's analysis and
-        kernels (``k`` seconds per node) then overlap the next chunk's
-        recording (``r`` per node): a boundary after ``n`` nodes saves about
-        ``min(r, k) * n`` and costs one more set of launches (their fixed costs
-        ``f``). Chunks are made where the predicted saving is twice the cost,
-        ``n = 2 f / min(r, k)``: the overlap is not perfect (the next chunk's
-        analysis competes with the kernels for the two cores measured on), and
-        chunks of half that size measured no faster than none."""
+        has while recording goes on (None: never).
+
+        A graph of ``N`` nodes cut into ``c`` chunks: each chunk's kernels run
+        while Python records the next, but the last chunk's (about ``K / c``
+        of the graph's kernel time ``K``) can only be waited for, and every
+        chunk costs Python one more set of launches to issue (``F``: each
+        chunk spans the graph's depths, so it has about as many launches as
+        the whole). ``c F + K / c`` is least at ``c = sqrt(K / F)``: chunks of
+        ``sqrt(N F / k)`` nodes (``k``: predicted kernel seconds per node),
+        made only where that gives two or more. ``N`` is the size of the
+        recent graphs of this mode (nodes between reads)."""
         p = self.pipe.get(mode)
-        if p is None:
+        if p is None or p.graph is None or p.issue is None or not p.kernel or p.kernel <= 0:
             return None
-        per = min(p[0], p[1])
-        if per <= 0:
-            return None
-        return max(int(2.0 * p[2] / per) + 1, 2)
+        n = max(int(round(math.sqrt(p.graph * p.issue / p.kernel))), 2)
+        return n if 2 * n <= p.graph else None
 
     @staticmethod
     def passthrough_after(nodes, launches, nothing_to_merge=True):

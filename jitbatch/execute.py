@@ -27,7 +27,8 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
         _flush(graph, nodes, backend, policy, budget, forced, reason, granularity)
     finally:
         graph.done()
-    graph.retire(nodes, release=forced)
+    chunk = reason in ("pipeline", "limit")     # recording goes on
+    graph.retire(nodes, release=forced or chunk, ends_graph=not chunk)
 
 
 _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch
@@ -82,15 +83,13 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
     calibrate = calibrate or (policy == "auto" and wait is not None and _unpriced(padding))
     graph.executing = True
     done = 0
-    fixed = predicted_s = 0.0   # the launches' predicted fixed costs and times
+    predicted_s = 0.0           # the launches' predicted times
     model = cost.MODEL if policy == "auto" else None
     try:
         clock = time.perf_counter
         for batch in batches:
             if model is not None:
-                info = batch[0].info
-                fixed += model.launch_cost(info, 0)
-                predicted_s += model.launch_cost(info, len(batch))
+                predicted_s += model.launch_cost(batch[0].info, len(batch))
             if done == split and prepare is not None:
                 ts = clock()
                 prepare(batches[split:])
@@ -139,8 +138,11 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
         cost.MODEL.observe(chosen, len(nodes) - staged, analysis, len(batches), execution,
                            groups, calibrated=calibrate, staged=bool(staged))
         if nodes:
-            cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, t0 - graph.t0,
-                                        analysis, predicted_s, fixed)
+            # a flush that did not wait for its kernels took ``execution`` to
+            # issue its launches: what one more chunk's launches cost Python
+            cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, predicted_s,
+                                        None if calibrate else execution,
+                                        reason not in ("pipeline", "limit"))
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),

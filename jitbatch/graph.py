@@ -1,7 +1,6 @@
 """The lazy graph: nodes recorded per sample, one pending graph per thread."""
 import gc
 import threading
-from time import perf_counter as _clock
 
 from . import config
 
@@ -131,14 +130,13 @@ class Graph(object):
         self.granularity = None
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
         self.limit = config.max_pending   # pending nodes at which the graph runs itself
-        self.t0 = 0.0          # when its first pending node was recorded
         self.retired = []      # node lists of finished flushes (see retire)
         self.retired_nodes = 0
-        self.kept = None       # node lists of the last release
+        self.kept = []         # node lists of the current graph, inputs freed
+        self.kept_before = []  # ... of the graph before it
 
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:
-            self.t0 = _clock()
             if config.defer_gc and getattr(_local, "graph", None) is self:
                 gc_pause(self)
         n = Node(info, inputs, 1, site, mode, self, self.seq, rows)
@@ -172,37 +170,43 @@ class Graph(object):
         """The flush is over: release this graph's pause of the GC."""
         gc_resume(self)
 
-    def retire(self, nodes, release):
-        """Keep a flush's executed ``nodes`` with their inputs, and release what
-        is kept when ``release`` is true (the flush was forced by a read, which
-        now waits for the kernels it launched) or more than ``RETIRED_FLUSHES``
-        flushes or ``config.max_pending`` nodes are kept (bounded memory)."""
+    def retire(self, nodes, release, ends_graph=True):
+        """Keep a flush's executed ``nodes`` with their inputs until a release:
+        at once where ``release`` (a read forced the flush and now waits for
+        its kernels, or the flush was a chunk of a graph still recording,
+        whose objects are freed best while they are fresh), else at the next
+        read, or when more than ``RETIRED_FLUSHES`` flushes or
+        ``config.max_pending`` nodes are kept (bounded memory). ``ends_graph``:
+        nothing recorded since belongs to this graph (see ``release``)."""
         if nodes:
             self.retired.append(nodes)
             self.retired_nodes += len(nodes)
-        if release or len(self.retired) > RETIRED_FLUSHES or \
-                self.retired_nodes > config.max_pending:
-            self.release(keep=release)
+        if release:
+            self.release(ends_graph)
+        elif len(self.retired) > RETIRED_FLUSHES or self.retired_nodes > config.max_pending:
+            self.release(True)
 
-    def release(self, keep=True):
+    def release(self, ends_graph=True):
         """Free the inputs of the retired nodes (lazy arrays, composites, the
-        links between nodes), and with ``keep`` hold the node lists until the
-        next release, so that the nodes themselves are freed then, once the
-        user has dropped their outputs. Call it where the thread is about to
-        wait for kernels: freeing a graph is ~10% of a Tree-LSTM inference
-        batch, which in front of the next launches (or when the next batch's
-        recording drops the last output) delays the kernels, and during the
-        wait costs nothing."""
+        links between nodes) and hold the node lists: those of a graph are
+        dropped when the next graph ends, by which time the user has dropped
+        the outputs, so that the nodes are freed there, not while the next
+        minibatch records. Call it where the thread is about to wait for
+        kernels: freeing a graph is ~10% of a Tree-LSTM inference batch, which
+        in front of the next launches (or when the next batch's recording
+        drops the last output) delays the kernels, and during the wait costs
+        nothing."""
         lists = self.retired
-        if not lists:
-            return
         for lst in lists:
             for n in lst:
                 n.inputs = ()
                 n.users = None
-        self.kept = lists if keep else None
+        self.kept.extend(lists)
         self.retired = []
         self.retired_nodes = 0
+        if ends_graph:
+            self.kept_before = self.kept
+            self.kept = []
 
     def discard_since(self, mark, error):
         """Drop the nodes recorded after the first ``mark`` ones (a user call that

@@ -659,10 +659,10 @@ def test_flushed_graphs_are_freed_when_a_read_waits():
         outs[0].asnumpy()            # a read: inputs released, the nodes held
         assert node.inputs == () and not g.retired
         del outs
-        assert any(n is node for lst in g.kept for n in lst)
+        assert any(n is node for lst in g.kept_before for n in lst)
         more = [net(*s) for s in binary_samples(rng, 3, depth=2)]
         more[1].asnumpy()            # a forced read: the last read's nodes go
-        assert not any(n is node for lst in g.kept for n in lst)
+        assert not any(n is node for lst in g.kept_before + g.kept for n in lst)
         assert sys.getrefcount(node) == 2   # only ours (and the call's) are left
         assert more[1]._node.inputs == ()
         for _ in range(jgraph.RETIRED_FLUSHES + 3):

@@ -95,7 +95,7 @@ class LazyArray(NDArray, Ref):
         v = backend.row_value(self)
         self._value = v
         g = node.graph
-        if g.retired and not g.executing and g.thread == _get_ident():
+        if (g.retired or g.kept) and not g.executing and g.thread == _get_ident():
             g.release()   # a read: what flushes kept is freed while the kernels run
         return v
 

@@ -876,8 +876,8 @@ def uninstall():
     g = current_graph()
     if g.nodes:
         backend.flush_graph(g, reason="uninstall")
-    g.release(keep=False)
-    g.kept = None
+    g.release()
+    g.kept_before = []
     while _patches:
         owner, name, orig = _patches.pop()
         if orig is _MISSING:
