@@ -26,6 +26,12 @@ Modes (all on ONE model, so the same parameters):
               instead of 'auto': one node per cell call, or the cell's input
               projections run as one launch across all depths
   ...:nopipe  (last) pipelined flushes off (jitbatch.config.pipeline = False)
+  dynet       DyNet 2.1's automatic batching on the same model written per sample
+              (scripts/bench_dynet.py), with --dynet PYTHON: an interpreter that can
+              import dynet (its own virtual env, see that script's docstring). Each
+              round runs it in a child process of that interpreter between the other
+              modes, so its ratios are taken in the same rounds. Its parameters are
+              its own (DyNet's initialisation): it is left out of the equal-loss check.
 
 With more than one thread, MXNet's OpenMP threads spin between kernels by
 default and take the cores Python needs: jitbatch's Python work (recording,
@@ -97,6 +103,8 @@ def build_parser():
                     help="OMP_NUM_THREADS for MXNet (set before mxnet is imported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="save the results table as JSON")
+    ap.add_argument("--dynet", metavar="PYTHON",
+                    help="interpreter with DyNet installed: adds mode 'dynet' (autobatching)")
     return ap
 
 
@@ -109,6 +117,10 @@ def parse_args(argv):
             for g in ("", ":block", ":split"):
                 for pipe in ("", ":nopipe"):
                     known.add("jit:%s%s%s%s" % (p, pad, g, pipe))
+    if args.dynet:
+        known.add("dynet")
+        if "dynet" not in args.mode_list:
+            args.mode_list.append("dynet")
     bad = [m for m in args.mode_list if m not in known]
     if bad or not args.mode_list:
         raise SystemExit("--modes: unknown mode(s) %s; choose from %s (or jit:POLICY[:nopad]"
@@ -190,6 +202,31 @@ class Modes(object):
         return self.expected_score(logp).asnumpy()
 
 
+def run_dynet(args, workload, batches):
+    """pairs/s of DyNet's autobatching on ``batches`` timed minibatches of
+    ``workload``, measured in a child process of the --dynet interpreter."""
+    import subprocess
+    import tempfile
+    size = args.train_size if workload == "train" else args.infer_size
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [args.dynet, os.path.join(HERE, "bench_dynet.py"), "--child", "1",
+               "--child-out", out, "--data", args.data, "--pairs", str(size * (batches + 1)),
+               "--workloads", workload, "--%s-size" % workload, str(size),
+               "--%s-batches" % workload, str(batches)]
+        env = dict(os.environ, MKL_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        if proc.returncode != 0:
+            raise SystemExit("--dynet %s: the DyNet child failed (rc %d):\n%s"
+                             % (args.dynet, proc.returncode, proc.stdout[-2000:]))
+        with open(out) as f:
+            return json.load(f)[workload]["pairs_per_s"]
+    finally:
+        os.unlink(out)
+
+
 def check_same(modes, names, batch):
     """Loss (training, no update) and predictions of the first minibatch in every mode."""
     import numpy as np
@@ -260,9 +297,10 @@ def main(argv=None, script=None):
                                   os.environ.get("OMP_WAIT_POLICY", "(unset)")), flush=True)
 
     modes = Modes(bench_core, vocab_size, args.seed)
-    first = check_same(modes, names, pairs[:args.train_size])
+    same = [m for m in names if m != "dynet"]
+    first = check_same(modes, same, pairs[:args.train_size])
     print("first training minibatch: loss %.6f in every mode (%s); predictions equal"
-          % (first[names[0]], ", ".join(names)), flush=True)
+          % (first[same[0]], ", ".join(same)), flush=True)
 
     step = {"train": modes.train_step, "infer": modes.infer_step}
     rates = {w: {m: [] for m in names} for w in args.workload_list}
@@ -277,6 +315,10 @@ def main(argv=None, script=None):
             for m in names:
                 bar.set_postfix(round=r + 1, workload=w, mode=m)
                 n = args.slow_batches if m in args.slow else counts[w]
+                if m == "dynet":
+                    rates[w][m].append(run_dynet(args, w, n))
+                    bar.update()
+                    continue
                 warm = pairs[most[w] * size:(most[w] + 1) * size]
                 if m in args.slow:   # per-sample: a few pairs build every cache it has
                     warm = warm[:SLOW_WARM]
@@ -306,7 +348,7 @@ def main(argv=None, script=None):
 
     result = {"threads": os.environ.get("OMP_NUM_THREADS"),
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
-              "first_loss": first[names[0]], "args": {k: v for k, v in vars(args).items()
+              "first_loss": first[same[0]], "args": {k: v for k, v in vars(args).items()
                                                      if k not in ("slow",)},
               "workloads": {}}
     for w in args.workload_list:
