@@ -29,6 +29,10 @@ analysis."""
 import math
 
 
+#: nodes per launch a pipelined chunk must hold at least (see Model.pipeline_limit)
+CHUNK_MERGE = 4
+
+
 def _ema(old, new):
     return new if old is None else 0.8 * old + 0.2 * new
 
@@ -36,11 +40,12 @@ def _ema(old, new):
 class Pipe(object):
     """Per autograd mode, what pipelined flushes are decided from (moving
     averages): predicted kernel seconds per node, seconds to issue a flush's
-    launches, nodes per graph (between reads), and the current graph's so far."""
-    __slots__ = ("kernel", "issue", "graph", "open")
+    launches and how many it has, nodes per graph (between reads), and the
+    current graph's so far."""
+    __slots__ = ("kernel", "issue", "launches", "graph", "open")
 
     def __init__(self):
-        self.kernel = self.issue = self.graph = None
+        self.kernel = self.issue = self.launches = self.graph = None
         self.open = 0
 
 
@@ -224,19 +229,20 @@ class Model(object):
                 % len(depths), pred
         return False, "block cheaper predicted", pred
 
-    def observe_pipeline(self, mode, nodes, execute_s, issue_s, ends_graph):
+    def observe_pipeline(self, mode, nodes, launches, execute_s, issue_s, ends_graph):
         """One 'auto' flush of ``nodes`` nodes recorded in ``mode`` (autograd
-        recording, training): its launches' predicted execution (kernels
-        included), the seconds Python took to issue them (None for a
-        calibrating flush: its issue time includes waiting for kernels), and
-        whether the graph ended there (a read or ``jitbatch.flush()``; else it
-        was a chunk, and recording goes on)."""
+        recording, training) in ``launches`` launches: their predicted
+        execution (kernels included), the seconds Python took to issue them
+        (None for a calibrating flush: its issue time includes waiting for
+        kernels), and whether the graph ended there (a read or
+        ``jitbatch.flush()``; else it was a chunk, and recording goes on)."""
         if nodes < 2 or self.flushes < 2:
             return      # the process's first flush pays tracing
         p = self.pipe.get(mode)
         if p is None:
             p = self.pipe[mode] = Pipe()
         p.kernel = _ema(p.kernel, execute_s / nodes)
+        p.launches = _ema(p.launches, launches)
         if issue_s is not None:
             # every launch of a training graph has a backward to issue too
             p.issue = _ema(p.issue, issue_s * (2.0 if mode[0] else 1.0))
@@ -257,12 +263,18 @@ class Model(object):
         the whole). ``c F + K / c`` is least at ``c = sqrt(K / F)``: chunks of
         ``sqrt(N F / k)`` nodes (``k``: predicted kernel seconds per node),
         made only where that gives two or more. ``N`` is the size of the
-        recent graphs of this mode (nodes between reads)."""
+        recent graphs of this mode (nodes between reads). A chunk must also
+        hold at least ``CHUNK_MERGE`` nodes per launch it issues: in a small
+        graph or a chain a chunk would merge little or nothing (and a flush
+        that merges nothing sends the next calls past recording), so those
+        run whole."""
         p = self.pipe.get(mode)
         if p is None or p.graph is None or p.issue is None or not p.kernel or p.kernel <= 0:
             return None
         n = max(int(round(math.sqrt(p.graph * p.issue / p.kernel))), 2)
-        return n if 2 * n <= p.graph else None
+        if 2 * n > p.graph or n < CHUNK_MERGE * p.launches:
+            return None
+        return n
 
     @staticmethod
     def passthrough_after(nodes, launches, nothing_to_merge=True):

@@ -140,8 +140,8 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
         if nodes:
             # a flush that did not wait for its kernels took ``execution`` to
             # issue its launches: what one more chunk's launches cost Python
-            cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, predicted_s,
-                                        None if calibrate else execution,
+            cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, len(batches),
+                                        predicted_s, None if calibrate else execution,
                                         reason not in ("pipeline", "limit"))
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))

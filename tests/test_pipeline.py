@@ -77,31 +77,39 @@ def test_chunk_size_rule():
     m = cost.Model()
     infer, train = (False, False), (True, True)
     m.flushes = 1                  # the process's first flush: not used
-    m.observe_pipeline(infer, 10000, 0.2, 8e-3, True)
+    m.observe_pipeline(infer, 10000, 10, 0.2, 8e-3, True)
     assert m.pipeline_limit(infer) is None
     m.flushes = 5
     # a graph of 10,000 nodes between reads, kernels 20 us per node (0.2 s),
     # 8 ms to issue a flush's launches: c chunks cost c * 8 ms and leave 0.2 s / c
     # of kernels to wait for; least at c = 5, chunks of 2,000 nodes
-    m.observe_pipeline(infer, 10000, 0.2, 8e-3, True)
+    m.observe_pipeline(infer, 10000, 10, 0.2, 8e-3, True)
     assert m.pipeline_limit(infer) == 2000
     # chunks (flushes that did not end the graph) add up to one graph; a
     # calibrating flush's issue time (None) is not used
     m2 = cost.Model()
     m2.flushes = 5
     for _ in range(4):
-        m2.observe_pipeline(infer, 2500, 0.05, 8e-3, False)
+        m2.observe_pipeline(infer, 2500, 10, 0.05, 8e-3, False)
     assert m2.pipeline_limit(infer) is None          # no graph has ended yet
-    m2.observe_pipeline(infer, 100, 0.002, None, True)
+    m2.observe_pipeline(infer, 100, 10, 0.002, None, True)
     assert m2.pipe[infer].graph == 10100 and m2.pipe[infer].issue == pytest.approx(8e-3)
     assert m2.pipeline_limit(infer) == round((10100 * 8e-3 / 20e-6) ** 0.5)
     # under autograd recording every launch has a backward: issue counts twice
-    m.observe_pipeline(train, 10000, 0.2, 4e-3, True)
+    m.observe_pipeline(train, 10000, 10, 0.2, 4e-3, True)
     assert m.pipeline_limit(train) == 2000
     # later graphs move the measurements by exponential averaging
-    m.observe_pipeline(infer, 10000, 0.2, 18e-3, True)
+    m.observe_pipeline(infer, 10000, 10, 0.2, 18e-3, True)
     assert m.pipe[infer].issue == pytest.approx(0.8 * 8e-3 + 0.2 * 18e-3)
     # fewer than two chunks would pay: the graph runs whole
-    m.observe_pipeline((False, True), 600, 0.012, 10e-3, True)   # would be 548 > 300
+    m.observe_pipeline((False, True), 600, 10, 0.012, 10e-3, True)   # would be 548 > 300
     assert m.pipeline_limit((False, True)) is None
+    # a chunk must hold CHUNK_MERGE nodes per launch: a graph whose flushes
+    # merge little, or a chain of 200 nodes in 200 launches, runs whole
+    m3 = cost.Model()
+    m3.flushes = 5
+    m3.observe_pipeline(infer, 10000, 600, 0.2, 8e-3, True)    # 2000 < 4 x 600
+    assert m3.pipeline_limit(infer) is None
+    m3.observe_pipeline(train, 200, 200, 0.2, 8e-3, True)
+    assert m3.pipeline_limit(train) is None
     assert m.pipeline_limit((True, False)) is None
