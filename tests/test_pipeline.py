@@ -20,7 +20,9 @@ from models import MODELS
 @pytest.fixture
 def chunks(monkeypatch):
     """Pipelining on, with a fixed chunk size (set by the test)."""
+    from jitbatch.gluon import hook
     monkeypatch.setattr(jitbatch.config, "pipeline", True)
+    monkeypatch.setattr(hook, "_FREE_CORE", True)
     size = {"n": None}
     monkeypatch.setattr(cost.Model, "pipeline_limit", lambda self, mode: size["n"])
     return size
@@ -52,7 +54,8 @@ def test_chunks_of_exactly_the_limit(chunks):
         np.testing.assert_allclose(y.asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["fixed policy", "switched off", "no measurement"])
+@pytest.mark.parametrize("how", ["fixed policy", "switched off", "no measurement",
+                                 "no free core"])
 def test_no_chunks(chunks, monkeypatch, how):
     chunks["n"] = 10
     policy = "auto"
@@ -60,6 +63,9 @@ def test_no_chunks(chunks, monkeypatch, how):
         policy = "agenda"
     elif how == "switched off":
         monkeypatch.setattr(jitbatch.config, "pipeline", False)
+    elif how == "no free core":
+        from jitbatch.gluon import hook
+        monkeypatch.setattr(hook, "_FREE_CORE", False)
     else:
         chunks["n"] = None
     net = nn.Dense(3, in_units=3)
@@ -113,3 +119,12 @@ def test_chunk_size_rule():
     m3.observe_pipeline(train, 200, 200, 0.2, 8e-3, True)
     assert m3.pipeline_limit(train) is None
     assert m.pipeline_limit((True, False)) is None
+
+
+@pytest.mark.parametrize("env, cores, free", [("1", 2, True), ("2", 2, False), ("", 2, False),
+                                              ("x", 4, False), ("3", 4, True)])
+def test_a_free_core_is_read_from_omp_num_threads(monkeypatch, env, cores, free):
+    from jitbatch.gluon import hook
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    monkeypatch.setattr(hook.os, "cpu_count", lambda: cores)
+    assert hook.kernels_leave_a_core() is free
