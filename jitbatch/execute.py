@@ -1,7 +1,7 @@
 """Flush: choose a policy, schedule, and run batches through a backend."""
 import time
 
-from . import cost, schedule
+from . import config, cost, schedule
 from .graph import Group, Node, Ref, _sources
 from .errors import ExecutionError, JitBatchError
 from .stats import STATS
@@ -22,9 +22,11 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     'auto' (the cost model decides per signature, under policy 'auto')."""
     if graph.executing or not graph.nodes:
         return
+    limit = graph.limit       # the graph's chunk size, if pipelined (take resets it)
     nodes = graph.take()
     try:
-        _flush(graph, nodes, backend, policy, budget, forced, reason, granularity)
+        _flush(graph, nodes, backend, policy, budget, forced, reason, granularity,
+               limit if limit < config.max_pending else None)
     finally:
         graph.done()
     chunk = reason in ("pipeline", "limit")     # recording goes on
@@ -34,7 +36,7 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
 _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch
 
 
-def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
+def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, chunk_size):
     t0 = time.perf_counter()
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
     if policy == "auto":
@@ -149,6 +151,7 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity):
                           "launches": len(batches), "analysis_seconds": analysis,
                           "execute_seconds": execution, "predicted": predicted,
                           "calibrated": calibrate, "reason": reason,
+                          "chunk_size": chunk_size,
                           "padding": _report(padding), "granularity": stages})
 
 

@@ -342,6 +342,7 @@ def main(argv=None, script=None):
                         chosen[w] = {"policy": lf.get("policy"), "why": lf.get("why"),
                                      "flush_policies": seen, "padding": lf.get("padding"),
                                      "nodes": lf.get("nodes"), "launches": lf.get("launches"),
+                                     "chunk_size": lf.get("chunk_size"),
                                      "granularity": lf.get("granularity")}
                 bar.update()
     bar.close()
@@ -379,9 +380,12 @@ def main(argv=None, script=None):
                   "flush that merged nothing)")
         elif chosen[w]:
             c = chosen[w]
-            print("jit:auto chose %s (%s); last flush %s nodes in %s launches; timed "
+            print("jit:auto chose %s (%s); last flush %s nodes in %s launches (%s); timed "
                   "flushes by policy, all rounds: %s"
-                  % (c["policy"], c["why"], c["nodes"], c["launches"], c["flush_policies"]))
+                  % (c["policy"], c["why"], c["nodes"], c["launches"],
+                     "graph cut into chunks of %d nodes" % c["chunk_size"]
+                     if c.get("chunk_size") else "graph not cut into chunks",
+                     c["flush_policies"]))
             for name, p in sorted((c.get("padding") or {}).items()):
                 print("  zero-padded %s: %d nodes, %d ready sets -> %d launches, %.2fx the "
                       "rows after padding (split priced at %s fixed, %s per padded row)"

@@ -49,6 +49,7 @@ def test_chunks_of_exactly_the_limit(chunks):
     st = jitbatch.stats()
     assert (st["pipelined_flushes"], st["auto_flushes"], st["pending"]) == (3, 0, 5)
     assert st["last_flush"]["reason"] == "pipeline" and st["last_flush"]["nodes"] == 10
+    assert st["last_flush"]["chunk_size"] == 10
     net.hybridize(active=False)
     for x, y in zip(xs, ys):
         np.testing.assert_allclose(y.asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-6)
@@ -77,6 +78,7 @@ def test_no_chunks(chunks, monkeypatch, how):
     assert st["pipelined_flushes"] == 0 and st["pending"] == 35
     assert ys[-1].shape == (1, 3)
     jitbatch.flush()
+    assert jitbatch.stats()["last_flush"]["chunk_size"] is None
 
 
 def test_chunk_size_rule():
