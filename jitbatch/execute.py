@@ -29,8 +29,12 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
                limit if limit < config.max_pending else None)
     finally:
         graph.done()
-    chunk = reason in ("pipeline", "limit")     # recording goes on
+    chunk = reason in _CHUNKS
     graph.retire(nodes, release=forced or chunk, ends_graph=not chunk)
+
+
+#: flush reasons that cut a graph whose recording goes on (pipelined chunks, max_pending)
+_CHUNKS = ("pipeline", "limit")
 
 
 _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch
@@ -144,7 +148,7 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
             # issue its launches: what one more chunk's launches cost Python
             cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, len(batches),
                                         predicted_s, None if calibrate else execution,
-                                        reason not in ("pipeline", "limit"))
+                                        reason not in _CHUNKS)
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),

@@ -19,8 +19,9 @@ class Node(object):
 
     ``inputs`` holds the call's tensor arguments as given (lazy Refs or concrete
     arrays), ``depth`` is 1 + the deepest pending producer, ``site`` a cheap call
-    site for error messages (``pad``: see ``SigInfo.pad_axes``). After execution ``batch`` holds the launch's
-    outputs (flat batched arrays) and ``row`` this node's position in them."""
+    site for error messages (``pad``: see ``SigInfo.pad_axes``). After
+    execution ``batch`` holds the launch's outputs (flat batched arrays) and
+    ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
                  "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait", "height",
                  "pad")
@@ -131,7 +132,6 @@ class Graph(object):
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
         self.limit = config.max_pending   # pending nodes at which the graph runs itself
         self.retired = []      # node lists of finished flushes (see retire)
-        self.retired_nodes = 0
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it
 
@@ -180,10 +180,10 @@ class Graph(object):
         nothing recorded since belongs to this graph (see ``release``)."""
         if nodes:
             self.retired.append(nodes)
-            self.retired_nodes += len(nodes)
         if release:
             self.release(ends_graph)
-        elif len(self.retired) > RETIRED_FLUSHES or self.retired_nodes > config.max_pending:
+        elif len(self.retired) > RETIRED_FLUSHES or \
+                sum(map(len, self.retired)) > config.max_pending:
             self.release(True)
 
     def release(self, ends_graph=True):
@@ -203,7 +203,6 @@ class Graph(object):
                 n.users = None
         self.kept.extend(lists)
         self.retired = []
-        self.retired_nodes = 0
         if ends_graph:
             self.kept_before = self.kept
             self.kept = []
