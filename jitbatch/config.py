@@ -20,3 +20,9 @@ debug = False
 #: measured at 7% of a Tree-LSTM training step and up to 40% of recording a large
 #: inference batch. Bounded by ``max_pending``; set False to leave the GC alone.
 defer_gc = True
+
+#: run the merged graphs' elementwise ``sigmoid``/``tanh``/``relu`` operators as
+#: MXNet's ``Activation`` operator (oneDNN on CPU, cuDNN on GPU): the same
+#: functions up to float rounding, several times faster on CPU
+#: (``jitbatch.gluon.rewrite``). Read when a ``dynamic_batch`` block is traced.
+fast_activations = True

@@ -3,7 +3,7 @@ import threading
 
 _FIELDS = ("nodes", "launches", "batched_nodes", "flushes", "forced_flushes",
            "auto_flushes", "pipelined_flushes", "gather_ops", "failures",
-           "analysis_seconds", "execute_seconds", "signatures")
+           "analysis_seconds", "execute_seconds", "signatures", "fast_activations")
 
 
 class Stats(object):

@@ -68,9 +68,11 @@ class Runner(object):
             # the child-sum cell: see examples/tree_lstm/model.py); 'jit:POLICY:nopad'
             # does not, so calls with different child counts never merge;
             # ':block' / ':split' fix the granularity (default: 'auto'); ':nopipe'
-            # turns pipelined flushes off (jitbatch.config.pipeline)
+            # turns pipelined flushes off (jitbatch.config.pipeline); ':noact' keeps
+            # MXNet's own activation operators (jitbatch.config.fast_activations)
             parts = name.split(":")
             jitbatch.config.pipeline = "nopipe" not in parts[2:]
+            jitbatch.config.fast_activations = "noact" not in parts[2:]
             if "nopad" in parts[2:]:
                 jitbatch.zero_pad(self.net.encoder.cell)
             else:

@@ -16,6 +16,9 @@ Modes (all on ONE model, so the same parameters):
               installable here: per depth and signature one call on concatenated
               inputs, outputs split into one array per operation
   hand        hand-written level-by-level batching (examples/tree_lstm/hand_batched.py)
+  hand:act    the same hand-written code with its blocks' graphs given jitbatch's
+              activation rewrite (jitbatch.gluon.rewrite: sigmoid/tanh/relu run as
+              MXNet's Activation operator): what of jitbatch's lead is kernel choice
   jit:POLICY  jitbatch, net.hybridize(dynamic_batch=True, policy=POLICY), POLICY in
               depth, agenda, auto, with the cell's child axis declared zero-paddable
               (jitbatch.zero_pad(cell, ch=1, cc=1)): nodes with different child
@@ -25,7 +28,9 @@ Modes (all on ONE model, so the same parameters):
   jit:POLICY:block, jit:POLICY:split (also after :nopad)  granularity fixed
               instead of 'auto': one node per cell call, or the cell's input
               projections run as one launch across all depths
-  ...:nopipe  (last) pipelined flushes off (jitbatch.config.pipeline = False)
+  ...:nopipe  pipelined flushes off (jitbatch.config.pipeline = False)
+  ...:noact   (last) MXNet's own activation operators kept
+              (jitbatch.config.fast_activations = False)
   dynet       DyNet 2.1's automatic batching on the same model written per sample
               (scripts/bench_dynet.py), with --dynet PYTHON: an interpreter that can
               import dynet (its own virtual env, see that script's docstring). Each
@@ -74,7 +79,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ALL_MODES = ("plain", "hybrid", "fold", "hand", "jit:depth", "jit:agenda", "jit:auto:nopad",
+ALL_MODES = ("plain", "hybrid", "fold", "hand", "hand:act", "jit:depth", "jit:agenda", "jit:auto:nopad",
              "jit:auto:split", "jit:auto:nopipe", "jit:auto")
 _REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
 SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
@@ -116,7 +121,8 @@ def parse_args(argv):
         for pad in ("", ":nopad"):
             for g in ("", ":block", ":split"):
                 for pipe in ("", ":nopipe"):
-                    known.add("jit:%s%s%s%s" % (p, pad, g, pipe))
+                    for act in ("", ":noact"):
+                        known.add("jit:%s%s%s%s%s" % (p, pad, g, pipe, act))
     if args.dynet:
         known.add("dynet")
         if "dynet" not in args.mode_list:
@@ -173,13 +179,35 @@ class Modes(object):
         self.nd, self.autograd, self.expected_score = nd, autograd, expected_score
         self.run = bench_core.Runner(vocab_size, seed=seed)
         self.net = self.run.net
-        self.batched = {"hand": HandBatched(self.net, hybridize=False),
+        hand = HandBatched(self.net, hybridize=False)
+        self.act_blocks = (hand.embed, hand.cell, hand.similarity)
+        self.batched = {"hand": hand, "hand:act": hand,
                         "fold": FoldBatched(self.net)}
         self.current = None
 
     def mode(self, name):
         self.current = name
+        for block in self.act_blocks:   # hand:act's wrappers off (hybridize clears graphs)
+            block.__dict__.pop("_get_graph", None)
         self.run.mode("hybrid" if name in self.batched else name)
+        if name == "hand:act":
+            for block in self.act_blocks:
+                block._get_graph = self._rewriting(block)  # pylint: disable=protected-access
+
+    @staticmethod
+    def _rewriting(block):
+        """``block._get_graph`` that applies jitbatch's activation rewrite to its
+        ordinary hybridized graph, as jitbatch does to a dynamic_batch block's."""
+        from jitbatch.gluon.rewrite import fast_activations
+        traced = type(block)._get_graph
+
+        def get_graph(*args):
+            fresh = not block._cached_graph  # pylint: disable=protected-access
+            inputs, out = traced(block, *args)
+            if fresh:
+                block._cached_graph = (inputs, fast_activations(out)[0])
+            return block._cached_graph
+        return get_graph
 
     def train_step(self, batch, update=True):
         if self.current not in self.batched:

@@ -27,7 +27,7 @@ from ..graph import Composite, current_graph
 from ..schedule import POLICIES
 from ..signature import SignatureTable
 from ..stats import STATS
-from . import backend
+from . import backend, rewrite
 from .array import LazyArray
 from .ops import OpExec, infer_outputs, make_rule, op_name
 
@@ -39,6 +39,7 @@ _orig_forward = HybridBlock.forward
 _orig_block_hybridize = Block.hybridize
 _orig_hybrid_hybridize = HybridBlock.hybridize
 _orig_clear = HybridBlock._clear_cached_op  # pylint: disable=protected-access
+_orig_get_graph = HybridBlock._get_graph  # pylint: disable=protected-access
 _orig_call = Block.__call__
 _SKIP = ("/mxnet/", "/jitbatch/gluon/", "/jitbatch/graph", "/contextlib")
 
@@ -847,6 +848,21 @@ def _clear(self):
     self._jb_token = object()  # new structure: old signatures no longer apply
 
 
+def _get_graph(self, *args):
+    """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
+    of :mod:`.rewrite` (once, when the graph is traced; every later use of the
+    block's graph, merged or per sample, runs the rewritten one)."""
+    fresh = not self._cached_graph  # pylint: disable=protected-access
+    res = _orig_get_graph(self, *args)
+    if fresh and self._jb_cfg is not None and _config.fast_activations:
+        inputs, out = res
+        out, count = rewrite.fast_activations(out)
+        if count:
+            self._cached_graph = res = (inputs, out)  # pylint: disable=protected-access
+            STATS.add(fast_activations=count)
+    return res
+
+
 # ---------------------------------------------------------------------------------------
 def _set(owner, name, value):
     _patches.append((owner, name, owner.__dict__.get(name, _MISSING)))
@@ -869,6 +885,7 @@ def install():
     _set(HybridBlock, "_jb_pad_names", None)
     _set(HybridBlock, "forward", _forward)
     _set(HybridBlock, "_clear_cached_op", _clear)
+    _set(HybridBlock, "_get_graph", _get_graph)
     _set(Block, "hybridize", _make_hybridize(_orig_block_hybridize))
     _set(HybridBlock, "hybridize", _make_hybridize(_orig_hybrid_hybridize))
     _set(_register, "_imperative_invoke", _invoke)
