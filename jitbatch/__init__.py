@@ -9,7 +9,7 @@ executions of same-signature calls. See README.rst.
 """
 from . import _compiled
 _compiled.choose()   # before any compiled module loads: stale builds run from source
-from . import config  # noqa: E402
+from . import config, cost  # noqa: E402
 from ._compiled import compiled_modules  # noqa: E402
 from .errors import (BatchingError, ExecutionError, FlagError, JitBatchError,
                      StaleValueError)
@@ -53,8 +53,11 @@ def flush():
 
 def stats():
     """Counters: nodes, launches, flushes, forced_flushes, analysis_seconds,
-    execute_seconds, ... and ``last_flush`` (policy chosen and why)."""
+    execute_seconds, ... ``last_flush`` (policy chosen and why) and ``pipeline``
+    (per autograd mode: the chunk count pipelined flushes use and the measured
+    microseconds per node of each count tried; see ``jitbatch.cost.Pipe``)."""
     s = STATS.snapshot()
+    s["pipeline"] = cost.MODEL.pipeline_report()
     s["pending"] = len(current_graph().nodes)
     s["nodes"] = s["batched_nodes"] + s["pending"]
     return s

@@ -4,11 +4,10 @@
 max_pending = 200000
 
 #: under policy 'auto', flush a large pending graph in chunks while recording
-#: goes on, where the cost model predicts that running one chunk's kernels while
-#: the next is recorded saves more than the chunk's extra launches cost
-#: (``cost.Model.pipeline_limit``) and MXNet's kernels leave a core free
-#: (``OMP_NUM_THREADS`` below the core count); False: a graph runs only when
-#: read (or at ``max_pending``)
+#: goes on (one chunk's kernels run while the next is recorded), in the number
+#: of chunks measured fastest (``cost.Pipe``), where MXNet's kernels leave a
+#: core free (``OMP_NUM_THREADS`` below the core count); False: a graph runs
+#: only when read (or at ``max_pending``)
 pipeline = True
 
 #: store a full stack per recorded node (slow) instead of one ``file:line`` call site

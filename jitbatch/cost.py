@@ -27,10 +27,16 @@ merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
 analysis."""
 import math
+import time
 
 
-#: nodes per launch a pipelined chunk must hold at least (see Model.pipeline_limit)
+#: nodes per launch a pipelined chunk must hold at least (see Pipe.feasible)
 CHUNK_MERGE = 4
+#: cycles measured per chunk count before counts are compared (median of the last PIPE_KEEP)
+PIPE_SAMPLES = 3
+PIPE_KEEP = 5
+#: cycles after which the other chunk counts are measured again (see Pipe)
+PIPE_REPROBE = 64
 
 
 def _ema(old, new):
@@ -38,15 +44,69 @@ def _ema(old, new):
 
 
 class Pipe(object):
-    """Per autograd mode, what pipelined flushes are decided from (moving
-    averages): predicted kernel seconds per node, seconds to issue a flush's
-    launches and how many it has, nodes per graph (between reads), and the
-    current graph's so far."""
-    __slots__ = ("kernel", "issue", "launches", "graph", "open")
+    """Per autograd mode, how pipelined flushes cut a graph, chosen by measuring.
+
+    A *cycle* runs from one graph's first record to the next graph's: the
+    throughput a user sees, kernels, waits and the user's own Python included.
+    Each cycle runs with ``chunks`` chunks (1: whole) and adds its seconds per
+    node to that count's last few measurements (:data:`PIPE_KEEP`); the count
+    of the least median is kept, and a neighbour not measured yet is tried
+    while the current count is the best (one more chunk first). Every
+    :data:`PIPE_REPROBE` cycles the other counts' measurements are dropped, so
+    they are measured again as things change. A cycle with a calibrating
+    flush (it waits for every launch) or one that did not start here (the
+    chunk size is asked for at a graph's first record) is not measured.
+
+    Also kept: the mean nodes per graph (between reads: ``graph``) and
+    launches per flush (``launches``), the current graph's nodes so far
+    (``open``), its start time and whether its measurement stands."""
+    __slots__ = ("launches", "graph", "open", "chunks", "times", "start", "valid", "last",
+                 "cycles")
 
     def __init__(self):
-        self.kernel = self.issue = self.launches = self.graph = None
+        self.launches = self.graph = self.start = self.last = None
         self.open = 0
+        self.chunks = 1
+        self.times = {}
+        self.valid = False
+        self.cycles = 0
+
+    def feasible(self, c):
+        """Whether ``c`` chunks of the usual graph each hold two nodes or more
+        and at least ``CHUNK_MERGE`` nodes per launch: in a small graph or a
+        chain a chunk would merge little or nothing (and a flush that merges
+        nothing sends the next calls past recording)."""
+        if c == 1:
+            return True
+        n = -(-int(self.graph) // c)
+        return n >= 2 and n >= CHUNK_MERGE * self.launches
+
+    def median(self, c):
+        ts = self.times.get(c)
+        if not ts or len(ts) < PIPE_SAMPLES:
+            return None
+        return sorted(ts)[len(ts) // 2]
+
+    def choose(self):
+        """The chunk count of the next cycle (see the class docstring)."""
+        c = self.chunks
+        while not self.feasible(c):
+            c -= 1
+        if c != self.chunks or self.median(c) is None:
+            return c
+        known = {k: self.median(k) for k in self.times
+                 if self.median(k) is not None and self.feasible(k)}
+        best = min(known, key=known.get)
+        if best != c:
+            return best
+        for k in (c + 1, c - 1):
+            if k >= 1 and k not in known and self.feasible(k):
+                return k
+        return c
+
+    def size(self):
+        """Nodes per chunk of the current cycle (None: the graph runs whole)."""
+        return -(-int(self.graph) // self.chunks) if self.chunks > 1 else None
 
 
 class Model(object):
@@ -229,52 +289,63 @@ class Model(object):
                 % len(depths), pred
         return False, "block cheaper predicted", pred
 
-    def observe_pipeline(self, mode, nodes, launches, execute_s, issue_s, ends_graph):
+    def observe_pipeline(self, mode, nodes, launches, ends_graph, calibrated=False):
         """One 'auto' flush of ``nodes`` nodes recorded in ``mode`` (autograd
-        recording, training) in ``launches`` launches: their predicted
-        execution (kernels included), the seconds Python took to issue them
-        (None for a calibrating flush: its issue time includes waiting for
-        kernels), and whether the graph ended there (a read or
-        ``jitbatch.flush()``; else it was a chunk, and recording goes on)."""
-        if nodes < 2 or self.flushes < 2:
+        recording, training) in ``launches`` launches; ``ends_graph``: a read
+        or ``jitbatch.flush()`` ended the graph there (else it was a chunk,
+        and recording goes on); ``calibrated``: it waited for every launch."""
+        if self.flushes < 2:
             return      # the process's first flush pays tracing
         p = self.pipe.get(mode)
         if p is None:
             p = self.pipe[mode] = Pipe()
-        p.kernel = _ema(p.kernel, execute_s / nodes)
-        p.launches = _ema(p.launches, launches)
-        if issue_s is not None:
-            # every launch of a training graph has a backward to issue too
-            p.issue = _ema(p.issue, issue_s * (2.0 if mode[0] else 1.0))
+        if nodes >= 2:
+            p.launches = _ema(p.launches, launches)
         p.open += nodes
+        if calibrated:
+            p.valid = False
         if ends_graph:
-            p.graph = _ema(p.graph, p.open)
+            if p.open:
+                p.graph = _ema(p.graph, p.open)
+            p.last = p.open if p.valid else None
+            p.valid = False
             p.open = 0
 
     def pipeline_limit(self, mode):
         """Pending nodes after which a graph recorded in ``mode`` runs what it
-        has while recording goes on (None: never).
-
-        A graph of ``N`` nodes cut into ``c`` chunks: each chunk's kernels run
-        while Python records the next, but the last chunk's (about ``K / c``
-        of the graph's kernel time ``K``) can only be waited for, and every
-        chunk costs Python one more set of launches to issue (``F``: each
-        chunk spans the graph's depths, so it has about as many launches as
-        the whole). ``c F + K / c`` is least at ``c = sqrt(K / F)``: chunks of
-        ``sqrt(N F / k)`` nodes (``k``: predicted kernel seconds per node),
-        made only where that gives two or more. ``N`` is the size of the
-        recent graphs of this mode (nodes between reads). A chunk must also
-        hold at least ``CHUNK_MERGE`` nodes per launch it issues: in a small
-        graph or a chain a chunk would merge little or nothing (and a flush
-        that merges nothing sends the next calls past recording), so those
-        run whole."""
+        has while recording goes on (None: never), asked at a graph's first
+        record. At the first record after a read a cycle starts: the last
+        one's time is measured and the next chunk count chosen (:class:`Pipe`)."""
         p = self.pipe.get(mode)
-        if p is None or p.graph is None or p.issue is None or not p.kernel or p.kernel <= 0:
+        if p is None or p.graph is None or not p.launches:
             return None
-        n = max(int(round(math.sqrt(p.graph * p.issue / p.kernel))), 2)
-        if 2 * n > p.graph or n < CHUNK_MERGE * p.launches:
-            return None
-        return n
+        if p.open == 0:     # the previous graph ended at a read: a cycle starts
+            now = time.perf_counter()
+            if p.last and p.start is not None:
+                ts = p.times.setdefault(p.chunks, [])
+                ts.append((now - p.start) / p.last)
+                del ts[:-PIPE_KEEP]
+                p.cycles += 1
+                if p.cycles % PIPE_REPROBE == 0:
+                    p.times = {p.chunks: ts}
+            p.last = None
+            p.chunks = p.choose()
+            p.start = now
+            p.valid = True
+        return p.size()
+
+    def pipeline_report(self):
+        """Per autograd mode: the chunk count in use and the measured
+        microseconds per node of each count (median of the last cycles)."""
+        out = []
+        for (rec, train), p in sorted(self.pipe.items()):
+            if p.graph is None:
+                continue
+            out.append({"recording": rec, "training": train, "chunks": p.chunks,
+                        "chunk_size": p.size(), "graph_nodes": int(p.graph),
+                        "us_per_node": {c: round(p.median(c) * 1e6, 2) for c in sorted(p.times)
+                                        if p.median(c) is not None}})
+        return out
 
     @staticmethod
     def passthrough_after(nodes, launches, nothing_to_merge=True):

@@ -89,13 +89,9 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     calibrate = calibrate or (policy == "auto" and wait is not None and _unpriced(padding))
     graph.executing = True
     done = 0
-    predicted_s = 0.0           # the launches' predicted times
-    model = cost.MODEL if policy == "auto" else None
     try:
         clock = time.perf_counter
         for batch in batches:
-            if model is not None:
-                predicted_s += model.launch_cost(batch[0].info, len(batch))
             if done == split and prepare is not None:
                 ts = clock()
                 prepare(batches[split:])
@@ -144,11 +140,8 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
         cost.MODEL.observe(chosen, len(nodes) - staged, analysis, len(batches), execution,
                            groups, calibrated=calibrate, staged=bool(staged))
         if nodes:
-            # a flush that did not wait for its kernels took ``execution`` to
-            # issue its launches: what one more chunk's launches cost Python
             cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, len(batches),
-                                        predicted_s, None if calibrate else execution,
-                                        reason not in _CHUNKS)
+                                        reason not in _CHUNKS, calibrate)
         graph.passthrough = cost.MODEL.passthrough_after(
             len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),

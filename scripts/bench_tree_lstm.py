@@ -43,6 +43,11 @@ default and take the cores Python needs: jitbatch's Python work (recording,
 analysis) then waits for a core. ``OMP_WAIT_POLICY=PASSIVE`` in the environment
 (read when MXNet loads) makes them sleep instead; the header prints it.
 
+Before the rounds, each jitbatch mode runs --settle untimed minibatches of each
+workload: 'auto' picks its pipelined chunk count by measuring cycles with each
+count (jitbatch.cost.Pipe), which takes ~10-20 graphs; the tables are its
+settled speed (--settle 0 times the search too).
+
 Before timing, every mode must give the same loss on the first training
 minibatch and the same predictions on it (rtol 1e-4); the script aborts
 otherwise. Then the modes are timed in interleaved rounds (a warm-up
@@ -97,6 +102,10 @@ def build_parser():
                     help="timed training minibatches per mode per round")
     ap.add_argument("--infer-batches", type=int, default=2,
                     help="timed inference minibatches per mode per round")
+    ap.add_argument("--settle", type=int, default=16,
+                    help="untimed minibatches per workload each jitbatch mode runs before "
+                         "the rounds, so the cost model's online choices (pipelined chunk "
+                         "count: jitbatch.cost.Pipe) have settled; 0: none")
     ap.add_argument("--slow-batches", type=int, default=1,
                     help="timed minibatches per round (both workloads) for --slow-modes")
     ap.add_argument("--slow-modes", default="plain,hybrid",
@@ -136,6 +145,8 @@ def parse_args(argv):
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workload_list or set(args.workload_list) - {"train", "infer"}:
         raise SystemExit("--workloads: expected train, infer or both")
+    if args.settle < 0:
+        raise SystemExit("--settle must be 0 or more")
     for name in ("rounds", "train_batches", "infer_batches", "slow_batches", "train_size",
                  "infer_size", "threads"):
         if getattr(args, name) < 1:
@@ -331,6 +342,14 @@ def main(argv=None, script=None):
           % (first[same[0]], ", ".join(same)), flush=True)
 
     step = {"train": modes.train_step, "infer": modes.infer_step}
+    settle = [m for m in names if m.startswith("jit:")] if args.settle else []
+    for m in tqdm(settle, desc="settle", leave=False, file=sys.stderr):
+        modes.mode(m)
+        for w in args.workload_list:
+            size = sizes[w]
+            for i in range(args.settle):
+                j = i % max(most[w], 1)
+                step[w](pairs[j * size:(j + 1) * size])
     rates = {w: {m: [] for m in names} for w in args.workload_list}
     analysis = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
     execute = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
@@ -371,7 +390,8 @@ def main(argv=None, script=None):
                                      "flush_policies": seen, "padding": lf.get("padding"),
                                      "nodes": lf.get("nodes"), "launches": lf.get("launches"),
                                      "chunk_size": lf.get("chunk_size"),
-                                     "granularity": lf.get("granularity")}
+                                     "granularity": lf.get("granularity"),
+                                     "pipeline": st["pipeline"]}
                 bar.update()
     bar.close()
 
@@ -420,6 +440,12 @@ def main(argv=None, script=None):
                       % (name.rsplit("_", 1)[-1], p["rows"], p["batches"], p["launches"],
                          p["units"] / max(p["rows"], 1), _secs(p["fixed_s"]),
                          _secs(p["per_unit_s"])))
+            for p in c.get("pipeline") or ():
+                if p["recording"] == (w == "train"):
+                    print("  pipelined chunks (%s): %d per graph of ~%d nodes; measured us "
+                          "per node by chunk count: %s"
+                          % ("recording" if p["recording"] else "not recording", p["chunks"],
+                             p["graph_nodes"], p["us_per_node"] or "(none yet)"))
             for name, g in sorted((c.get("granularity") or {}).items()):
                 print("  granularity of %s: %s (%s)" % (name.rsplit("_", 1)[-1],
                                                          g["granularity"], g["why"]))

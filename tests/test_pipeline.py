@@ -81,46 +81,84 @@ def test_no_chunks(chunks, monkeypatch, how):
     assert jitbatch.stats()["last_flush"]["chunk_size"] is None
 
 
-def test_chunk_size_rule():
+class _Clock(object):
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False):
+    """One graph between reads: its first record asks the chunk size, it takes
+    ``us_per_node`` per node, a read ends it. Returns the chunk size used."""
+    size = m.pipeline_limit(mode)
+    clock.now += nodes * us_per_node * 1e-6
+    m.observe_pipeline(mode, nodes, launches, True, calibrated)
+    return size
+
+
+def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(cost, "time", clock)
     m = cost.Model()
-    infer, train = (False, False), (True, True)
+    infer = (False, False)
     m.flushes = 1                  # the process's first flush: not used
-    m.observe_pipeline(infer, 10000, 10, 0.2, 8e-3, True)
-    assert m.pipeline_limit(infer) is None
+    m.observe_pipeline(infer, 10000, 10, True)
+    assert m.pipeline_limit(infer) is None and infer not in m.pipe
     m.flushes = 5
-    # a graph of 10,000 nodes between reads, kernels 20 us per node (0.2 s),
-    # 8 ms to issue a flush's launches: c chunks cost c * 8 ms and leave 0.2 s / c
-    # of kernels to wait for; least at c = 5, chunks of 2,000 nodes
-    m.observe_pipeline(infer, 10000, 10, 0.2, 8e-3, True)
-    assert m.pipeline_limit(infer) == 2000
-    # chunks (flushes that did not end the graph) add up to one graph; a
-    # calibrating flush's issue time (None) is not used
-    m2 = cost.Model()
-    m2.flushes = 5
-    for _ in range(4):
-        m2.observe_pipeline(infer, 2500, 10, 0.05, 8e-3, False)
-    assert m2.pipeline_limit(infer) is None          # no graph has ended yet
-    m2.observe_pipeline(infer, 100, 10, 0.002, None, True)
-    assert m2.pipe[infer].graph == 10100 and m2.pipe[infer].issue == pytest.approx(8e-3)
-    assert m2.pipeline_limit(infer) == round((10100 * 8e-3 / 20e-6) ** 0.5)
-    # under autograd recording every launch has a backward: issue counts twice
-    m.observe_pipeline(train, 10000, 10, 0.2, 4e-3, True)
-    assert m.pipeline_limit(train) == 2000
-    # later graphs move the measurements by exponential averaging
-    m.observe_pipeline(infer, 10000, 10, 0.2, 18e-3, True)
-    assert m.pipe[infer].issue == pytest.approx(0.8 * 8e-3 + 0.2 * 18e-3)
-    # fewer than two chunks would pay: the graph runs whole
-    m.observe_pipeline((False, True), 600, 10, 0.012, 10e-3, True)   # would be 548 > 300
-    assert m.pipeline_limit((False, True)) is None
-    # a chunk must hold CHUNK_MERGE nodes per launch: a graph whose flushes
-    # merge little, or a chain of 200 nodes in 200 launches, runs whole
-    m3 = cost.Model()
-    m3.flushes = 5
-    m3.observe_pipeline(infer, 10000, 600, 0.2, 8e-3, True)    # 2000 < 4 x 600
-    assert m3.pipeline_limit(infer) is None
-    m3.observe_pipeline(train, 200, 200, 0.2, 8e-3, True)
-    assert m3.pipeline_limit(train) is None
-    assert m.pipeline_limit((True, False)) is None
+    m.observe_pipeline(infer, 10000, 10, True)
+    speed = {1: 30.0, 2: 20.0, 3: 25.0, 4: 40.0}    # us per node by chunk count
+    used = []
+    for _ in range(14):
+        size = _cycle(m, infer, clock, 10000, speed[m.pipe[infer].chunks])
+        used.append(m.pipe[infer].chunks)
+        assert size == (None if used[-1] == 1 else -(-10000 // used[-1]))
+    # 1 chunk is measured over 3 cycles, then 2 (better), then 3 (worse than
+    # 2): back to 2, whose neighbours are both known
+    assert used == [1, 1, 1, 2, 2, 2, 3, 3, 3, 2, 2, 2, 2, 2], used
+    assert m.pipeline_report() == [{
+        "recording": False, "training": False, "chunks": 2, "chunk_size": 5000,
+        "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0}}]
+    # a cycle with a calibrating flush, or one that did not start at a chunk-size
+    # question (pipelining was off), is not measured
+    n = len(m.pipe[infer].times[2])
+    _cycle(m, infer, clock, 10000, 999.0, calibrated=True)
+    m.observe_pipeline(infer, 10000, 10, True)
+    clock.now += 50.0
+    _cycle(m, infer, clock, 10000, 20.0)
+    assert m.pipe[infer].times[2][-1] == pytest.approx(20e-6) and \
+        len(m.pipe[infer].times[2]) == min(n + 1, cost.PIPE_KEEP)
+    # every PIPE_REPROBE cycles the other counts are measured again: 3, then
+    # (still worse) back to 2, then 1
+    while m.pipe[infer].cycles % cost.PIPE_REPROBE:
+        _cycle(m, infer, clock, 10000, speed[m.pipe[infer].chunks])
+    assert set(m.pipe[infer].times) == {2} and m.pipe[infer].chunks == 3
+    assert [(_cycle(m, infer, clock, 10000, speed[m.pipe[infer].chunks]),
+             m.pipe[infer].chunks)[1] for _ in range(4)] == [3, 3, 2, 1]
+
+
+def test_chunks_only_where_each_merges(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(cost, "time", clock)
+    m = cost.Model()
+    m.flushes = 5
+    infer, train = (False, False), (True, True)
+    # a chunk must hold CHUNK_MERGE nodes per launch: 10,000 nodes in 600
+    # launches can be cut in 4 (2,500 >= 2,400) but not 5
+    m.observe_pipeline(infer, 10000, 600, True)
+    p = m.pipe[infer]
+    assert [p.feasible(c) for c in (1, 2, 4, 5)] == [True, True, True, False]
+    # a chain of 200 nodes in 200 launches never runs in chunks, however slow
+    m.observe_pipeline(train, 200, 200, True)
+    for _ in range(12):
+        assert _cycle(m, train, clock, 200, 50.0, launches=200) is None
+    assert m.pipe[train].chunks == 1
+    # graphs that shrink: the count in use falls back to one that fits
+    q = m.pipe[infer]
+    q.chunks = 4
+    m.observe_pipeline(infer, 5000, 600, True)
+    assert q.choose() < 4 and q.feasible(q.choose())
 
 
 @pytest.mark.parametrize("env, cores, free", [("1", 2, True), ("2", 2, False), ("", 2, False),
