@@ -36,7 +36,7 @@ CHUNK_MERGE = 4
 PIPE_SAMPLES = 3
 PIPE_KEEP = 5
 #: cycles after which the other chunk counts are measured again (see Pipe)
-PIPE_REPROBE = 64
+PIPE_REPROBE = 256
 
 
 def _ema(old, new):
