@@ -27,6 +27,7 @@ merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
 analysis."""
 import math
+import threading
 import time
 
 
@@ -118,7 +119,7 @@ class Model(object):
         self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
         self.unbatched = None        # predicted one-launch-per-node seconds of this flush
         self.last_groups = {}        # its depth groups (see depth_groups)
-        self.pipe = {}               # autograd mode -> pipelining measurements
+        self.pipe = {}               # (thread, autograd mode) -> pipelining measurements
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -296,9 +297,10 @@ class Model(object):
         and recording goes on); ``calibrated``: it waited for every launch."""
         if self.flushes < 2:
             return      # the process's first flush pays tracing
-        p = self.pipe.get(mode)
+        key = (threading.get_ident(), mode)   # each thread records its own graphs
+        p = self.pipe.get(key)
         if p is None:
-            p = self.pipe[mode] = Pipe()
+            p = self.pipe[key] = Pipe()
         if nodes >= 2:
             p.launches = _ema(p.launches, launches)
         p.open += nodes
@@ -316,7 +318,7 @@ class Model(object):
         has while recording goes on (None: never), asked at a graph's first
         record. At the first record after a read a cycle starts: the last
         one's time is measured and the next chunk count chosen (:class:`Pipe`)."""
-        p = self.pipe.get(mode)
+        p = self.pipe.get((threading.get_ident(), mode))
         if p is None or p.graph is None or not p.launches:
             return None
         if p.open == 0:     # the previous graph ended at a read: a cycle starts
@@ -334,11 +336,16 @@ class Model(object):
             p.valid = True
         return p.size()
 
+    def pipe_of(self, mode):
+        """This thread's :class:`Pipe` of autograd mode ``mode`` (or None)."""
+        return self.pipe.get((threading.get_ident(), mode))
+
     def pipeline_report(self):
-        """Per autograd mode: the chunk count in use and the measured
-        microseconds per node of each count (median of the last cycles)."""
+        """Per recording thread and autograd mode: the chunk count in use and
+        the measured microseconds per node of each count (median of the last
+        cycles)."""
         out = []
-        for (rec, train), p in sorted(self.pipe.items()):
+        for (_, (rec, train)), p in sorted(self.pipe.items()):
             if p.graph is None:
                 continue
             out.append({"recording": rec, "training": train, "chunks": p.chunks,

@@ -105,14 +105,14 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     infer = (False, False)
     m.flushes = 1                  # the process's first flush: not used
     m.observe_pipeline(infer, 10000, 10, True)
-    assert m.pipeline_limit(infer) is None and infer not in m.pipe
+    assert m.pipeline_limit(infer) is None and m.pipe_of(infer) is None
     m.flushes = 5
     m.observe_pipeline(infer, 10000, 10, True)
     speed = {1: 30.0, 2: 20.0, 3: 25.0, 4: 40.0}    # us per node by chunk count
     used = []
     for _ in range(14):
-        size = _cycle(m, infer, clock, 10000, speed[m.pipe[infer].chunks])
-        used.append(m.pipe[infer].chunks)
+        size = _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks])
+        used.append(m.pipe_of(infer).chunks)
         assert size == (None if used[-1] == 1 else -(-10000 // used[-1]))
     # 1 chunk is measured over 3 cycles, then 2 (better), then 3 (worse than
     # 2): back to 2, whose neighbours are both known
@@ -122,20 +122,20 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
         "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0}}]
     # a cycle with a calibrating flush, or one that did not start at a chunk-size
     # question (pipelining was off), is not measured
-    n = len(m.pipe[infer].times[2])
+    n = len(m.pipe_of(infer).times[2])
     _cycle(m, infer, clock, 10000, 999.0, calibrated=True)
     m.observe_pipeline(infer, 10000, 10, True)
     clock.now += 50.0
     _cycle(m, infer, clock, 10000, 20.0)
-    assert m.pipe[infer].times[2][-1] == pytest.approx(20e-6) and \
-        len(m.pipe[infer].times[2]) == min(n + 1, cost.PIPE_KEEP)
+    assert m.pipe_of(infer).times[2][-1] == pytest.approx(20e-6) and \
+        len(m.pipe_of(infer).times[2]) == min(n + 1, cost.PIPE_KEEP)
     # every PIPE_REPROBE cycles the other counts are measured again: 3, then
     # (still worse) back to 2, then 1
-    while m.pipe[infer].cycles % cost.PIPE_REPROBE:
-        _cycle(m, infer, clock, 10000, speed[m.pipe[infer].chunks])
-    assert set(m.pipe[infer].times) == {2} and m.pipe[infer].chunks == 3
-    assert [(_cycle(m, infer, clock, 10000, speed[m.pipe[infer].chunks]),
-             m.pipe[infer].chunks)[1] for _ in range(4)] == [3, 3, 2, 1]
+    while m.pipe_of(infer).cycles % cost.PIPE_REPROBE:
+        _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks])
+    assert set(m.pipe_of(infer).times) == {2} and m.pipe_of(infer).chunks == 3
+    assert [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks]),
+             m.pipe_of(infer).chunks)[1] for _ in range(4)] == [3, 3, 2, 1]
 
 
 def test_chunks_only_where_each_merges(monkeypatch):
@@ -147,15 +147,15 @@ def test_chunks_only_where_each_merges(monkeypatch):
     # a chunk must hold CHUNK_MERGE nodes per launch: 10,000 nodes in 600
     # launches can be cut in 4 (2,500 >= 2,400) but not 5
     m.observe_pipeline(infer, 10000, 600, True)
-    p = m.pipe[infer]
+    p = m.pipe_of(infer)
     assert [p.feasible(c) for c in (1, 2, 4, 5)] == [True, True, True, False]
     # a chain of 200 nodes in 200 launches never runs in chunks, however slow
     m.observe_pipeline(train, 200, 200, True)
     for _ in range(12):
         assert _cycle(m, train, clock, 200, 50.0, launches=200) is None
-    assert m.pipe[train].chunks == 1
+    assert m.pipe_of(train).chunks == 1
     # graphs that shrink: the count in use falls back to one that fits
-    q = m.pipe[infer]
+    q = m.pipe_of(infer)
     q.chunks = 4
     m.observe_pipeline(infer, 5000, 600, True)
     assert q.choose() < 4 and q.feasible(q.choose())
@@ -168,3 +168,29 @@ def test_a_free_core_is_read_from_omp_num_threads(monkeypatch, env, cores, free)
     monkeypatch.setenv("OMP_NUM_THREADS", env)
     monkeypatch.setattr(hook.os, "cpu_count", lambda: cores)
     assert hook.kernels_leave_a_core() is free
+
+
+def test_each_thread_measures_its_own_cycles(monkeypatch):
+    """Graphs are per thread: a thread's cycles and chunk count are its own."""
+    import threading
+    clock = _Clock()
+    monkeypatch.setattr(cost, "time", clock)
+    m = cost.Model()
+    m.flushes = 5
+    infer = (False, False)
+    m.observe_pipeline(infer, 10000, 10, True)
+    for _ in range(4):
+        _cycle(m, infer, clock, 10000, 30.0)
+    other = []
+
+    def run():
+        m.observe_pipeline(infer, 600, 200, True)     # a small graph: never chunked
+        other.append([_cycle(m, infer, clock, 600, 99.0, launches=200) for _ in range(5)])
+        other.append(m.pipe_of(infer).chunks)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert other == [[None] * 5, 1]
+    p = m.pipe_of(infer)
+    assert p.graph == 10000 and p.chunks == 2 and p.median(1) == pytest.approx(30e-6)
+    assert len(m.pipeline_report()) == 2
