@@ -38,6 +38,8 @@ PIPE_SAMPLES = 3
 PIPE_KEEP = 5
 #: cycles after which the other chunk counts are measured again (see Pipe)
 PIPE_REPROBE = 256
+#: more chunks are kept only if their median is this much faster than fewer chunks'
+PIPE_MARGIN = 0.05
 #: a graph's first pipelined chunk, in later chunks' sizes (see Pipe.size); measured on
 #: the Tree-LSTM, 256-pair inference, 3 runs x 6 rounds: 1.5 against 1.0 (even) gained
 #: 1.07x with 2 chunks and 1.06x with 3 (noisy: 2 of 3 runs each)
@@ -54,9 +56,11 @@ class Pipe(object):
     A *cycle* runs from one graph's first record to the next graph's: the
     throughput a user sees, kernels, waits and the user's own Python included.
     Each cycle runs with ``chunks`` chunks (1: whole) and adds its seconds per
-    node to that count's last few measurements (:data:`PIPE_KEEP`); the count
-    of the least median is kept, and a neighbour not measured yet is tried
-    while the current count is the best (one more chunk first). Every
+    node to that count's last few measurements (:data:`PIPE_KEEP`); the
+    fewest chunks whose median is within :data:`PIPE_MARGIN` of the least is
+    kept, and a neighbour not measured yet is tried while the current count is
+    the one kept (one more chunk first): more chunks are tried only while
+    each step paid. Every
     :data:`PIPE_REPROBE` cycles the other counts' measurements are dropped, so
     they are measured again as things change. A cycle with a calibrating
     flush (it waits for every launch) or one that did not start here (the
@@ -101,7 +105,10 @@ class Pipe(object):
             return c
         known = {k: self.median(k) for k in self.times
                  if self.median(k) is not None and self.feasible(k)}
-        best = min(known, key=known.get)
+        # the fewest chunks within PIPE_MARGIN of the fastest: more chunks must
+        # pay clearly (on a flat, noisy curve the search stays near 1)
+        least = min(known.values())
+        best = min(k for k, t in known.items() if t <= least * (1.0 + PIPE_MARGIN))
         if best != c:
             return best
         for k in (c + 1, c - 1):

@@ -200,3 +200,18 @@ def test_each_thread_measures_its_own_cycles(monkeypatch):
     p = m.pipe_of(infer)
     assert p.graph == 10000 and p.chunks == 2 and p.median(1) == pytest.approx(30e-6)
     assert len(m.pipeline_report()) == 2
+
+
+def test_a_flat_curve_keeps_one_chunk(monkeypatch):
+    """Counts within PIPE_MARGIN of each other: the fewest is kept, and the
+    search does not walk on past 2."""
+    clock = _Clock()
+    monkeypatch.setattr(cost, "time", clock)
+    m = cost.Model()
+    m.flushes = 5
+    infer = (False, False)
+    m.observe_pipeline(infer, 10000, 10, True)
+    speed = {1: 30.0, 2: 29.0, 3: 20.0}   # 2 is 3% faster than 1: not enough
+    used = [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks]),
+             m.pipe_of(infer).chunks)[1] for _ in range(10)]
+    assert used == [1, 1, 1, 2, 2, 2, 1, 1, 1, 1], used
