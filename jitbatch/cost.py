@@ -40,10 +40,6 @@ PIPE_KEEP = 5
 PIPE_REPROBE = 256
 #: more chunks are kept only if their median is this much faster than fewer chunks'
 PIPE_MARGIN = 0.05
-#: a graph's first pipelined chunk, in later chunks' sizes (see Pipe.size); measured on
-#: the Tree-LSTM, 256-pair inference, 3 runs x 6 rounds: 1.5 against 1.0 (even) gained
-#: 1.07x with 2 chunks and 1.06x with 3 (noisy: 2 of 3 runs each)
-FIRST_CHUNK = 1.5
 
 
 def _ema(old, new):
@@ -87,7 +83,7 @@ class Pipe(object):
         nothing sends the next calls past recording)."""
         if c == 1:
             return True
-        n = self.size(c, first=False)
+        n = -(-int(self.graph) // c)
         return n >= 2 and n >= CHUNK_MERGE * self.launches
 
     def median(self, c):
@@ -116,17 +112,9 @@ class Pipe(object):
                 return k
         return c
 
-    def size(self, c=None, first=True):
-        """Nodes of the first (``first``) or a later chunk of a graph cut into
-        ``c`` chunks (default: the current count); None: the graph runs
-        whole. The first chunk is :data:`FIRST_CHUNK` times a later one: its
-        kernels have the most recording to overlap, and the last chunk's
-        kernels, which the read waits for, get smaller."""
-        c = self.chunks if c is None else c
-        if c < 2:
-            return None
-        unit = self.graph / (FIRST_CHUNK + c - 1)
-        return int(math.ceil(unit * FIRST_CHUNK if first else unit))
+    def size(self):
+        """Nodes per chunk of the current cycle (None: the graph runs whole)."""
+        return -(-int(self.graph) // self.chunks) if self.chunks > 1 else None
 
 
 class Model(object):
@@ -353,8 +341,7 @@ class Model(object):
             p.chunks = p.choose()
             p.start = now
             p.valid = True
-            return p.size()
-        return p.size(first=False)
+        return p.size()
 
     def pipe_of(self, mode):
         """This thread's :class:`Pipe` of autograd mode ``mode`` (or None)."""
@@ -369,7 +356,7 @@ class Model(object):
             if p.graph is None:
                 continue
             out.append({"recording": rec, "training": train, "chunks": p.chunks,
-                        "chunk_size": p.size(first=False), "graph_nodes": int(p.graph),
+                        "chunk_size": p.size(), "graph_nodes": int(p.graph),
                         "us_per_node": {c: round(p.median(c) * 1e6, 2) for c in sorted(p.times)
                                         if p.median(c) is not None}})
         return out
