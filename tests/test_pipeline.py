@@ -170,15 +170,22 @@ def test_a_free_core_is_read_from_omp_num_threads(monkeypatch, env, cores, free)
     assert hook.kernels_leave_a_core() is free
 
 
-def test_each_thread_measures_its_own_cycles(monkeypatch):
-    """Graphs are per thread: a thread's cycles and chunk count are its own."""
-    import threading
+@pytest.fixture
+def timed(monkeypatch):
+    """A cost model past its first flush, on a fake clock, that has seen one
+    inference graph of 10,000 nodes in 10 launches."""
     clock = _Clock()
     monkeypatch.setattr(cost, "time", clock)
     m = cost.Model()
     m.flushes = 5
-    infer = (False, False)
-    m.observe_pipeline(infer, 10000, 10, True)
+    m.observe_pipeline((False, False), 10000, 10, True)
+    return m, clock, (False, False)
+
+
+def test_each_thread_measures_its_own_cycles(timed):
+    """Graphs are per thread: a thread's cycles and chunk count are its own."""
+    import threading
+    m, clock, infer = timed
     for _ in range(4):
         _cycle(m, infer, clock, 10000, 30.0)
     other = []
@@ -196,15 +203,10 @@ def test_each_thread_measures_its_own_cycles(monkeypatch):
     assert len(m.pipeline_report()) == 2
 
 
-def test_a_flat_curve_keeps_one_chunk(monkeypatch):
+def test_a_flat_curve_keeps_one_chunk(timed):
     """Counts within PIPE_MARGIN of each other: the fewest is kept, and the
     search does not walk on past 2."""
-    clock = _Clock()
-    monkeypatch.setattr(cost, "time", clock)
-    m = cost.Model()
-    m.flushes = 5
-    infer = (False, False)
-    m.observe_pipeline(infer, 10000, 10, True)
+    m, clock, infer = timed
     speed = {1: 30.0, 2: 29.0, 3: 20.0}   # 2 is 3% faster than 1: not enough
     used = [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks]),
              m.pipe_of(infer).chunks)[1] for _ in range(10)]
