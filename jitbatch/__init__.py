@@ -54,8 +54,9 @@ def flush():
 def stats():
     """Counters: nodes, launches, flushes, forced_flushes, analysis_seconds,
     execute_seconds, ... ``last_flush`` (policy chosen and why) and ``pipeline``
-    (per autograd mode: the chunk count pipelined flushes use and the measured
-    microseconds per node of each count tried; see ``jitbatch.cost.Pipe``)."""
+    (per recording thread and autograd mode: the chunk count pipelined flushes
+    use and the measured microseconds per node of each count tried; see
+    ``jitbatch.cost.Pipe``)."""
     s = STATS.snapshot()
     s["pipeline"] = cost.MODEL.pipeline_report()
     s["pending"] = len(current_graph().nodes)

@@ -47,7 +47,8 @@ def _ema(old, new):
 
 
 class Pipe(object):
-    """Per autograd mode, how pipelined flushes cut a graph, chosen by measuring.
+    """Per recording thread and autograd mode, how pipelined flushes cut a
+    graph, chosen by measuring.
 
     A *cycle* runs from one graph's first record to the next graph's: the
     throughput a user sees, kernels, waits and the user's own Python included.
@@ -56,9 +57,8 @@ class Pipe(object):
     fewest chunks whose median is within :data:`PIPE_MARGIN` of the least is
     kept, and a neighbour not measured yet is tried while the current count is
     the one kept (one more chunk first): more chunks are tried only while
-    each step paid. Every
-    :data:`PIPE_REPROBE` cycles the other counts' measurements are dropped, so
-    they are measured again as things change. A cycle with a calibrating
+    each step paid. Every :data:`PIPE_REPROBE` cycles the other counts'
+    measurements are dropped, so they are measured again as things change. A cycle with a calibrating
     flush (it waits for every launch) or one that did not start here (the
     chunk size is asked for at a graph's first record) is not measured.
 
@@ -83,7 +83,7 @@ class Pipe(object):
         nothing sends the next calls past recording)."""
         if c == 1:
             return True
-        n = -(-int(self.graph) // c)
+        n = self.size(c)
         return n >= 2 and n >= CHUNK_MERGE * self.launches
 
     def median(self, c):
@@ -99,8 +99,11 @@ class Pipe(object):
             c -= 1
         if c != self.chunks or self.median(c) is None:
             return c
-        known = {k: self.median(k) for k in self.times
-                 if self.median(k) is not None and self.feasible(k)}
+        known = {}
+        for k in self.times:
+            t = self.median(k)
+            if t is not None and self.feasible(k):
+                known[k] = t
         # the fewest chunks within PIPE_MARGIN of the fastest: more chunks must
         # pay clearly (on a flat, noisy curve the search stays near 1)
         least = min(known.values())
@@ -112,9 +115,11 @@ class Pipe(object):
                 return k
         return c
 
-    def size(self):
-        """Nodes per chunk of the current cycle (None: the graph runs whole)."""
-        return -(-int(self.graph) // self.chunks) if self.chunks > 1 else None
+    def size(self, c=None):
+        """Nodes per chunk of the usual graph cut into ``c`` chunks (default:
+        the current count); None: the graph runs whole."""
+        c = self.chunks if c is None else c
+        return -(-int(self.graph) // c) if c > 1 else None
 
 
 class Model(object):
@@ -355,10 +360,11 @@ class Model(object):
         for (_, (rec, train)), p in sorted(self.pipe.items()):
             if p.graph is None:
                 continue
+            medians = ((c, p.median(c)) for c in sorted(p.times))
             out.append({"recording": rec, "training": train, "chunks": p.chunks,
                         "chunk_size": p.size(), "graph_nodes": int(p.graph),
-                        "us_per_node": {c: round(p.median(c) * 1e6, 2) for c in sorted(p.times)
-                                        if p.median(c) is not None}})
+                        "us_per_node": {c: round(t * 1e6, 2) for c, t in medians
+                                        if t is not None}})
         return out
 
     @staticmethod
