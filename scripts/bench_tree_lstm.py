@@ -209,15 +209,15 @@ class Modes(object):
     def _rewriting(block):
         """``block._get_graph`` that applies jitbatch's activation rewrite to its
         ordinary hybridized graph, as jitbatch does to a dynamic_batch block's."""
-        from jitbatch.gluon.rewrite import fast_activations
+        from jitbatch.gluon.rewrite import rewrite_traced
         traced = type(block)._get_graph
 
         def get_graph(*args):
             fresh = not block._cached_graph  # pylint: disable=protected-access
-            inputs, out = traced(block, *args)
+            traced(block, *args)
             if fresh:
-                block._cached_graph = (inputs, fast_activations(out)[0])
-            return block._cached_graph
+                rewrite_traced(block)
+            return block._cached_graph  # pylint: disable=protected-access
         return get_graph
 
     def train_step(self, batch, update=True):

@@ -855,11 +855,10 @@ def _get_graph(self, *args):
     fresh = not self._cached_graph  # pylint: disable=protected-access
     res = _orig_get_graph(self, *args)
     if fresh and self._jb_cfg is not None and _config.fast_activations:
-        inputs, out = res
-        out, count = rewrite.fast_activations(out)
+        count = rewrite.rewrite_traced(self)
         if count:
-            self._cached_graph = res = (inputs, out)  # pylint: disable=protected-access
             STATS.add(fast_activations=count)
+            res = self._cached_graph  # pylint: disable=protected-access
     return res
 
 

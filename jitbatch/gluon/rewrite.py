@@ -35,3 +35,14 @@ def fast_activations(out):
     if not count:
         return out, 0
     return _sym.load_json(json.dumps(graph)), count
+
+
+def rewrite_traced(block):
+    """Apply :func:`fast_activations` to ``block``'s traced graph
+    (``_cached_graph``, set by MXNet's ``_get_graph``) in place; returns how
+    many operators it swapped."""
+    inputs, out = block._cached_graph  # pylint: disable=protected-access
+    out, count = fast_activations(out)
+    if count:
+        block._cached_graph = (inputs, out)  # pylint: disable=protected-access
+    return count
