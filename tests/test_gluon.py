@@ -672,3 +672,21 @@ def test_flushed_graphs_are_freed_when_a_read_waits():
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "uint8"])
+@pytest.mark.parametrize("shape", [(3, 4), (7,), (1, 1, 5), (2, 1, 3, 2)])
+def test_concrete_metadata_read_through_the_c_api_matches_mxnet(dtype, shape):
+    # the record and flush read a concrete input's shape, dtype and device
+    # without MXNet's properties; they must agree with them
+    from jitbatch.gluon import backend, hook
+    a = nd.zeros(shape, dtype=dtype)
+    shp, dt, dev = backend.concrete_meta(a)
+    assert shp == a.shape and backend.concrete_shape(a) == a.shape
+    assert dt is a.dtype
+    assert dev == (a.context.device_typeid, a.context.device_id)
+    m = hook._meta(a)   # pylint: disable=protected-access
+    assert m[:2] == (a.shape, a.dtype) and m[2] == a.context and hash(m[2]) == hash(a.context)
+    # another array type (the numpy front end) is read through its properties
+    b = mx.np.zeros(shape, dtype=dtype)
+    assert backend.concrete_meta(b) is None and backend.concrete_shape(b) == b.shape

@@ -13,6 +13,7 @@ from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint
 from mxnet.ndarray import NDArray
+from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register as _register
 
 from .. import execute
@@ -53,6 +54,53 @@ def extent(node, k):
 
 LazyArray = None  # set by .array (import cycle)
 
+
+
+# The shape, dtype and device of a concrete input are asked per record (a new
+# token array per sample) and again per flush. MXNet's properties spend ~7 us on
+# them (ctypes buffers, a Context built per call, the shape's int64 check); these
+# read the same C-API functions through a handle to the library that keeps the
+# GIL (metadata reads: they never wait for kernels), so one set of buffers
+# serves every thread. Anything but a plain NDArray goes through the properties.
+_PYLIB = ctypes.PyDLL(_LIB._name)
+_ndim = ctypes.c_int()
+_dev_type = ctypes.c_int()
+_dev_id = ctypes.c_int()
+_dtype_code = ctypes.c_int()
+if _nd_impl._int64_enabled():
+    _pshape = ctypes.POINTER(ctypes.c_int64)()
+    _GET_SHAPE = _PYLIB.MXNDArrayGetShapeEx64
+else:
+    _pshape = ctypes.POINTER(ctypes.c_int)()
+    _GET_SHAPE = _PYLIB.MXNDArrayGetShapeEx
+_GET_DTYPE = _PYLIB.MXNDArrayGetDType
+_GET_CONTEXT = _PYLIB.MXNDArrayGetContext
+_NDIM, _PSHAPE = ctypes.byref(_ndim), ctypes.byref(_pshape)
+_DEV_TYPE, _DEV_ID, _DTYPE = ctypes.byref(_dev_type), ctypes.byref(_dev_id), ctypes.byref(_dtype_code)
+_DTYPES = _nd_impl._DTYPE_MX_TO_NP
+
+
+def concrete_shape(arr):
+    """``arr.shape`` of a concrete array (see above)."""
+    if type(arr) is not NDArray:
+        return arr.shape
+    check_call(_GET_SHAPE(arr.handle, _NDIM, _PSHAPE))
+    n = _ndim.value
+    return None if n == -1 else tuple(_pshape[:n])
+
+
+def concrete_meta(arr):
+    """``(shape, dtype, (device type id, device id))`` of a concrete NDArray,
+    or None for any other array type."""
+    if type(arr) is not NDArray:
+        return None
+    h = arr.handle
+    check_call(_GET_SHAPE(h, _NDIM, _PSHAPE))
+    n = _ndim.value
+    shape = None if n == -1 else tuple(_pshape[:n])
+    check_call(_GET_DTYPE(h, _DTYPE))
+    check_call(_GET_CONTEXT(h, _DEV_TYPE, _DEV_ID))
+    return shape, _DTYPES[_dtype_code.value], (_dev_type.value, _dev_id.value)
 
 def mode_scope(mode):
     """The autograd (recording, training) state a node was recorded under."""
@@ -149,7 +197,7 @@ def _plan_leaves(leaves, values, want, index, sizes):
             key = id(arr)
             shp = sizes.get(key)
             if shp is None:
-                shp = sizes[key] = arr.shape
+                shp = sizes[key] = concrete_shape(arr)
             full = count = shp[0]
             start = 0
             if key not in srcs:
@@ -283,7 +331,7 @@ def plan_padded(values, shape, axis, index, sizes):
         else:
             shp = sizes.get(id(v))
             if shp is None:
-                shp = sizes[id(v)] = v.shape
+                shp = sizes[id(v)] = concrete_shape(v)
             ks.append(shp[axis])
     kmax = max(ks)
     full = tuple(shape[:axis]) + (kmax,) + tuple(shape[axis + 1:])
@@ -386,7 +434,7 @@ def _ragged_want(values, shape, sizes):
         else:
             shp = sizes.get(id(v))
             if shp is None:
-                shp = sizes[id(v)] = v.shape
+                shp = sizes[id(v)] = concrete_shape(v)
             rows += shp[0]
     return (rows,) + tuple(shape[1:])
 

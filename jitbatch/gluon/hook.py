@@ -182,6 +182,15 @@ class _Device(Context):
 
 
 _CONTEXTS = {}   # Context of a device -> its _Device
+_DEVICES = {}    # (device type id, device id) -> its _Device
+
+
+def _device(ctx):
+    """The one _Device of ``ctx``'s device."""
+    c = _CONTEXTS.get(ctx)
+    if c is None:
+        c = _CONTEXTS[ctx] = _Device(ctx)
+    return c
 
 
 def _meta(a):
@@ -190,11 +199,15 @@ def _meta(a):
     hit = _concrete_meta.get(id(a))
     if hit is not None and hit[0] is a:
         return hit[1]
-    ctx = a.context
-    c = _CONTEXTS.get(ctx)
-    if c is None:
-        c = _CONTEXTS[ctx] = _Device(ctx)
-    m = (a.shape, a.dtype, c)
+    fast = backend.concrete_meta(a)
+    if fast is not None:
+        shape, dtype, dev = fast
+        c = _DEVICES.get(dev)
+        if c is None:
+            c = _DEVICES[dev] = _device(a.context)
+        m = (shape, dtype, c)
+    else:
+        m = (a.shape, a.dtype, _device(a.context))
     if len(_concrete_meta) >= 512:
         _concrete_meta.clear()
     _concrete_meta[id(a)] = (a, m)
