@@ -53,7 +53,7 @@ def flush():
 
 def stats():
     """Counters: nodes, launches, flushes, forced_flushes, analysis_seconds,
-    execute_seconds, ... ``last_flush`` (policy chosen and why) and ``pipeline``
+    execute_seconds, release_seconds, ... ``last_flush`` (policy chosen and why) and ``pipeline``
     (per recording thread and autograd mode: the chunk count pipelined flushes
     use and the measured microseconds per node of each count tried; see
     ``jitbatch.cost.Pipe``)."""

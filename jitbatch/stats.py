@@ -3,7 +3,8 @@ import threading
 
 _FIELDS = ("nodes", "launches", "batched_nodes", "flushes", "forced_flushes",
            "auto_flushes", "pipelined_flushes", "gather_ops", "failures",
-           "analysis_seconds", "execute_seconds", "signatures", "fast_activations")
+           "analysis_seconds", "execute_seconds", "release_seconds", "signatures",
+           "fast_activations")
 
 
 class Stats(object):
@@ -19,6 +20,7 @@ class Stats(object):
             self._c = dict.fromkeys(_FIELDS, 0)
             self._c["analysis_seconds"] = 0.0
             self._c["execute_seconds"] = 0.0
+            self._c["release_seconds"] = 0.0
             self._c["last_flush"] = {}
             self._c["policies"] = {}
 

@@ -62,8 +62,16 @@ analysis seconds (scheduling) divided by the wall time of the timed steps; and
 what policy 'auto' chose (jitbatch.stats()['last_flush'] and per-policy flush
 counts). The execute column is the same fraction for the seconds jitbatch spends
 in its flushes issuing the merged launches (gathers, block calls; MXNet runs
-operators asynchronously, so this is issue time plus any waits). The rest of a
-step is recording the per-sample calls, MXNet's backward and the update.
+operators asynchronously, so this is issue time plus any waits), and the
+release column for freeing executed graphs' inputs (jitbatch.stats()
+'release_seconds'). The rest of a step is recording the per-sample calls,
+MXNet's backward and the update.
+
+Every mode gets the main-thread busy fraction: the CPU time of the thread
+running the steps (time.thread_time: its Python, and MXNet calls made from it)
+divided by their wall time. MXNet's kernels run on its own worker threads, so
+near 100% means the step waits on Python (the kernels keep up), and well below
+means it waits on the kernels.
 
 Threads: OpenMP (hence MXNet) reads OMP_NUM_THREADS only once, when the MXNet
 library is loaded by ``import mxnet``; setting it afterwards has no effect.
@@ -353,6 +361,8 @@ def main(argv=None, script=None):
     rates = {w: {m: [] for m in names} for w in args.workload_list}
     analysis = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
     execute = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
+    release = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
+    busy = {w: {m: [] for m in names if m != "dynet"} for w in args.workload_list}
     chosen = {w: {} for w in args.workload_list}
     total = args.rounds * len(args.workload_list) * len(names)
     bar = tqdm(total=total, desc="bench", leave=False, file=sys.stderr)
@@ -372,15 +382,18 @@ def main(argv=None, script=None):
                 modes.mode(m)
                 step[w](warm)                                # warm caches for this mode
                 jitbatch.reset_stats()
+                c0 = time.thread_time()
                 t0 = time.perf_counter()
                 for i in range(n):
                     step[w](pairs[i * size:(i + 1) * size])
                 dt = time.perf_counter() - t0
+                busy[w][m].append((time.thread_time() - c0) / dt)
                 rates[w][m].append(n * size / dt)
                 if m.startswith("jit:"):
                     st = jitbatch.stats()
                     analysis[w][m].append(st["analysis_seconds"] / dt)
                     execute[w][m].append(st["execute_seconds"] / dt)
+                    release[w][m].append(st["release_seconds"] / dt)
                     if m == "jit:auto":
                         lf = st["last_flush"]
                         seen = chosen[w].get("flush_policies", {})
@@ -408,6 +421,8 @@ def main(argv=None, script=None):
                         "vs_hand": ratio_medians(rates[w], m, "hand"),
                         "analysis_fraction": median(analysis[w].get(m, [])),
                         "execute_fraction": median(execute[w].get(m, [])),
+                        "release_fraction": median(release[w].get(m, [])),
+                        "main_thread_busy": median(busy[w].get(m, [])),
                         "timed_batches": args.slow_batches if m in args.slow else counts[w]}
         result["workloads"][w] = {"minibatch": sizes[w], "modes": table, "auto": chosen[w]}
         title = ("training (forward + backward + Adagrad)" if w == "train"
@@ -415,13 +430,15 @@ def main(argv=None, script=None):
         print()
         print("%s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved rounds"
               % (title, sizes[w], result["threads"], args.rounds))
-        print("%-15s %9s %9s %9s %9s %9s %8s" % ("mode", "pairs/s", "vs plain", "vs hand",
-                                                "analysis", "execute", "batches"))
+        print("%-15s %9s %9s %9s %9s %9s %9s %9s %8s" % (
+            "mode", "pairs/s", "vs plain", "vs hand", "analysis", "execute", "release",
+            "main busy", "batches"))
         for m in names:
             row = table[m]
-            print("%-15s %9.1f %9s %9s %9s %9s %8d" % (
+            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %8d" % (
                 m, row["pairs_per_s"], times(row["vs_plain"]), times(row["vs_hand"]),
                 percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
+                percent(row["release_fraction"]), percent(row["main_thread_busy"]),
                 row["timed_batches"]))
         if "jit:auto" in names and not chosen[w].get("flush_policies"):
             print("jit:auto: no timed flush: its calls ran eagerly (passthrough after a "

@@ -654,10 +654,13 @@ def test_flushed_graphs_are_freed_when_a_read_waits():
     try:
         outs = [net(*s) for s in binary_samples(rng, 3, depth=2)]
         node = outs[0]._node
+        jitbatch.reset_stats()
         jitbatch.flush()             # not a read: kept whole
         assert node.inputs != () and g.retired
+        assert jitbatch.stats()["release_seconds"] == 0.0
         outs[0].asnumpy()            # a read: inputs released, the nodes held
         assert node.inputs == () and not g.retired
+        assert jitbatch.stats()["release_seconds"] > 0.0   # the time it took is reported
         del outs
         assert any(n is node for lst in g.kept_before for n in lst)
         more = [net(*s) for s in binary_samples(rng, 3, depth=2)]
