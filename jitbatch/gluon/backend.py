@@ -55,7 +55,6 @@ def extent(node, k):
 LazyArray = None  # set by .array (import cycle)
 
 
-
 # The shape, dtype and device of a concrete input are asked per record (a new
 # token array per sample) and again per flush. MXNet's properties spend ~7 us on
 # them (ctypes buffers, a Context built per call, the shape's int64 check); these
@@ -80,13 +79,15 @@ _DEV_TYPE, _DEV_ID, _DTYPE = ctypes.byref(_dev_type), ctypes.byref(_dev_id), cty
 _DTYPES = _nd_impl._DTYPE_MX_TO_NP
 
 
-def concrete_shape(arr):
-    """``arr.shape`` of a concrete array (see above)."""
-    if type(arr) is not NDArray:
-        return arr.shape
-    check_call(_GET_SHAPE(arr.handle, _NDIM, _PSHAPE))
+def _shape(handle):
+    check_call(_GET_SHAPE(handle, _NDIM, _PSHAPE))
     n = _ndim.value
     return None if n == -1 else tuple(_pshape[:n])
+
+
+def concrete_shape(arr):
+    """``arr.shape`` of a concrete array (see above)."""
+    return _shape(arr.handle) if type(arr) is NDArray else arr.shape
 
 
 def concrete_meta(arr):
@@ -95,12 +96,11 @@ def concrete_meta(arr):
     if type(arr) is not NDArray:
         return None
     h = arr.handle
-    check_call(_GET_SHAPE(h, _NDIM, _PSHAPE))
-    n = _ndim.value
-    shape = None if n == -1 else tuple(_pshape[:n])
+    shape = _shape(h)
     check_call(_GET_DTYPE(h, _DTYPE))
     check_call(_GET_CONTEXT(h, _DEV_TYPE, _DEV_ID))
     return shape, _DTYPES[_dtype_code.value], (_dev_type.value, _dev_id.value)
+
 
 def mode_scope(mode):
     """The autograd (recording, training) state a node was recorded under."""
