@@ -52,6 +52,8 @@ setup(
     description="Just-in-time dynamic batching for Apache MXNet Gluon",
     long_description=open(os.path.join(HERE, "README.rst")).read(),
     packages=find_packages(include=["jitbatch", "jitbatch.*", "examples", "examples.*"]),
+    # the compiled modules' type declarations: part of each build's source hash
+    package_data={"jitbatch": ["*.pxd"], "jitbatch.gluon": ["*.pxd"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExt},
     python_requires=">=3.8",

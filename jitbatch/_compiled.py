@@ -1,13 +1,16 @@
 """Optional compiled modules: the core's hot paths, compiled by Cython from the
-very same ``.py`` sources (no second implementation).
+very same ``.py`` sources (no second implementation); a ``.pxd`` beside a source gives
+its classes C layouts and some locals C types (Cython's augmenting ``.pxd``
+files and local annotations: declarations only, the code is the ``.py``).
 
 ``setup.py`` compiles the modules listed in :data:`MODULES` when Cython and a C
 compiler are there, and writes beside each extension a ``.built`` file holding
 the SHA-256 of the source it was compiled from (mtimes would not do: a wheel
 install or a checkout resets them). At import, :func:`choose`
-checks every extension against its source: one built from an older source (the
-``.py`` was edited after the build) is not used; the source runs instead, with
-a warning naming the rebuild command. ``JITBATCH_PURE=1`` runs every module
+checks every extension against its source: if one was built from an older
+source (the ``.py`` or ``.pxd`` was edited after the build), no extension is
+used (they share C layouts); the sources run instead, with a warning naming
+the stale ones and the rebuild command. ``JITBATCH_PURE=1`` runs every module
 from source (profilers see inside; a baseline for comparisons). Behaviour is
 the same either way: the test suite runs against both (tests/test_compiled.py).
 """
@@ -20,8 +23,9 @@ import sys
 import warnings
 
 #: compiled by setup.py (the graph, scheduling, flush and Gluon recording paths)
-MODULES = ("jitbatch.graph", "jitbatch.schedule", "jitbatch.execute", "jitbatch.cost",
-           "jitbatch.gluon.array", "jitbatch.gluon.backend", "jitbatch.gluon.hook")
+MODULES = ("jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatch.execute",
+           "jitbatch.cost", "jitbatch.gluon.array", "jitbatch.gluon.backend",
+           "jitbatch.gluon.hook")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +40,14 @@ def source_of(name):
 
 
 def digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    """SHA-256 of a module's source ``path`` and of the ``.pxd`` beside it, if any
+    (its compiled type declarations: a build is stale when either changed)."""
+    h = hashlib.sha256()
+    for p in (path, path[:-3] + ".pxd"):
+        if os.path.exists(p):
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
 
 
 def extension_of(name):
@@ -61,35 +71,37 @@ class _Sources(importlib.abc.MetaPathFinder):
 
 
 def choose():
-    """Decide, before any of them is imported, which modules run from source."""
-    every = pure()
-    sources, stale = {}, []
+    """Decide, before any of them is imported, which modules run from source:
+    all of them when ``JITBATCH_PURE`` is set or when any build is stale (the
+    compiled modules share their classes' C layouts, so a module's build is
+    only valid beside the builds it was compiled with)."""
+    built, stale = {}, []
     for name in MODULES:
         ext = extension_of(name)
         if ext is None:
             continue
         py = source_of(name)
-        if every:
-            sources[name] = py
+        built[name] = py
+        if pure():
             continue
         try:
             with open(py[:-3] + ".built") as f:
-                built = f.read().strip()
+                record = f.read().strip()
         except OSError:
-            built = None
-        if built != digest(py):
-            sources[name] = py
+            record = None
+        if record != digest(py):
             stale.append(os.path.relpath(py, _ROOT))
     if stale:
         warnings.warn(
             "jitbatch: %s changed since %s compiled (or %s no build record); running "
-            "the Python source instead, which is slower. Fix: rebuild with `pip install "
-            "-e .` (or `python setup.py build_ext --inplace`), or set JITBATCH_PURE=1 to "
-            "run every module from source without this warning."
+            "every module from its Python source instead, which is slower. Fix: "
+            "rebuild with `pip install -e .` (or `python setup.py build_ext "
+            "--inplace`), or set JITBATCH_PURE=1 to run from source without this "
+            "warning."
             % (", ".join(stale), "it was" if len(stale) == 1 else "they were",
                "has" if len(stale) == 1 else "have"), RuntimeWarning, stacklevel=3)
-    if sources:
-        sys.meta_path.insert(0, _Sources(sources))
+    if built and (stale or pure()):
+        sys.meta_path.insert(0, _Sources(built))
 
 
 def compiled_modules():

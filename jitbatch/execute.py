@@ -1,6 +1,11 @@
 """Flush: choose a policy, schedule, and run batches through a backend."""
 import time
 
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # pragma: no cover - Cython is an install requirement
+    cython = None
+
 from . import config, cost, schedule
 from .graph import Group, Node, Ref, _sources
 from .errors import ExecutionError, JitBatchError
@@ -65,11 +70,17 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
         if batch[0].info.pad_axes is not None:
             batches, padding, units = _split_padded(batches)
             break
+    g: Group
+    n: Node
+    i: cython.Py_ssize_t
+    off: cython.Py_ssize_t
     for batch in batches:
         g = Group(len(batch))
         off = 0
-        for i, n in enumerate(batch):
+        i = 0
+        for n in batch:
             n.row = i
+            i += 1
             n.group = g
             if n.rows is not None:
                 n.off = off

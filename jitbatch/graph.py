@@ -3,6 +3,11 @@ import gc
 import threading
 import time
 
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # pragma: no cover - Cython is an install requirement
+    cython = None
+
 from . import config
 from .stats import STATS
 
@@ -72,10 +77,14 @@ class Composite(object):
         for x in parts:
             if isinstance(x, Ref):
                 p = x._node
-                if p.batch is None and p.depth > d:
-                    d = p.depth
-                elif type(p) is Composite and p.depth > d:
-                    d = p.depth
+                if type(p) is Node:
+                    pn: Node = p
+                    if pn.batch is None and pn.depth > d:
+                        d = pn.depth
+                elif type(p) is Composite:
+                    pc: Composite = p
+                    if pc.depth > d:
+                        d = pc.depth
         self.depth = d
 
     @property
@@ -101,7 +110,8 @@ def _sources(x):
 
 def _producers(x, out):
     """Pending producer nodes behind a composite input (through nested composites)."""
-    for y in x._node.parts:
+    c: Composite = x._node
+    for y in c.parts:
         if isinstance(y, Ref):
             p = y._node
             if type(p) is Composite:
@@ -141,12 +151,16 @@ class Graph(object):
         if not self.nodes:
             if config.defer_gc and getattr(_local, "graph", None) is self:
                 gc_pause(self)
-        n = Node(info, inputs, 1, site, mode, self, self.seq, rows)
+        n: Node = Node(info, inputs, 1, site, mode, self, self.seq, rows)
+        p: Node
+        wait: cython.Py_ssize_t = 0
         d = 0
-        wait = 0
         for x in inputs:
             if isinstance(x, Ref):
-                for p in _sources(x):
+                for q in _sources(x):
+                    if type(q) is not Node:
+                        continue    # not pending: a detached value
+                    p = q
                     if p.batch is None and p.graph is self:
                         wait += 1
                         users = p.users
@@ -200,6 +214,7 @@ class Graph(object):
         nothing."""
         t0 = time.perf_counter()
         lists = self.retired
+        n: Node
         for lst in lists:
             for n in lst:
                 n.inputs = ()

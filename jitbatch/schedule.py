@@ -4,6 +4,13 @@ Every policy returns a list of batches (lists of nodes) in an order where each
 node's pending producers ran in an earlier batch. Nodes whose signature has no
 batching rule always form batches of one."""
 
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # pragma: no cover - Cython is an install requirement
+    cython = None
+
+from .graph import Node
+
 POLICIES = ("auto", "depth", "agenda", "sequential")
 
 
@@ -18,6 +25,7 @@ def by_depth(nodes):
     Depth is the longest path from the graph's inputs, so a group's producers all
     sit at smaller depths."""
     groups = {}
+    n: Node
     for n in nodes:
         key = (n.depth, n.info.id)
         g = groups.get(key)
@@ -39,6 +47,10 @@ def by_agenda(nodes):
     merges with its peers from longer samples). All ready nodes of the chosen
     signature form one batch. Uses the producer counts and user lists kept at
     record time."""
+    n: Node
+    u: Node
+    h: cython.Py_ssize_t
+    top: cython.Py_ssize_t = 0
     for n in reversed(nodes):
         h = 1
         users = n.users
@@ -47,25 +59,18 @@ def by_agenda(nodes):
                 if u.height >= h:
                     h = u.height + 1
         n.height = h
-    top = max(n.height for n in nodes) if nodes else 0
+        if h > top:
+            top = h
     ready = {}        # sig id -> ready nodes
     level_sum = {}    # sig id -> sum of their as-late-as-possible levels
     left = {}         # sig id -> nodes not yet run
-
-    def make_ready(n):
-        sid = n.info.id
-        r = ready.get(sid)
-        if r is None:
-            ready[sid] = [n]
-            level_sum[sid] = top - n.height
-        else:
-            r.append(n)
-            level_sum[sid] += top - n.height
+    fresh = []        # nodes that became ready, not yet in ``ready``
     for n in nodes:
         sid = n.info.id
         left[sid] = left.get(sid, 0) + 1
         if n.wait == 0:
-            make_ready(n)
+            fresh.append(n)
+    _make_ready(fresh, ready, level_sum, top)
     out = []
     while ready:
         best = min(ready, key=lambda s: (len(ready[s]) < left[s],
@@ -80,10 +85,27 @@ def by_agenda(nodes):
                 for u in users:
                     u.wait -= 1       # consumed: a flush schedules each node once
                     if u.wait == 0:
-                        make_ready(u)
+                        fresh.append(u)
+        _make_ready(fresh, ready, level_sum, top)
     if sum(len(b) for b in out) != len(nodes):
         raise AssertionError("agenda scheduling lost nodes (a cycle in the graph?)")
     return out
+
+
+def _make_ready(fresh, ready, level_sum, top):
+    """Move the nodes of ``fresh`` to their signatures' ready lists (the agenda's
+    state: see by_agenda), emptying it."""
+    n: Node
+    for n in fresh:
+        sid = n.info.id
+        r = ready.get(sid)
+        if r is None:
+            ready[sid] = [n]
+            level_sum[sid] = top - n.height
+        else:
+            r.append(n)
+            level_sum[sid] += top - n.height
+    del fresh[:]
 
 
 def split_padded(batch, fixed, per_unit):

@@ -12,7 +12,6 @@ from mxnet.ndarray import NDArray
 
 from ..errors import StaleValueError
 from ..graph import Composite, Ref
-from . import backend
 
 
 class LazyArray(NDArray, Ref):
@@ -107,8 +106,8 @@ class LazyArray(NDArray, Ref):
 
     # -- lazy structure operations ---------------------------------------------------
     def __getitem__(self, key):
-        view = _basic_row_view(self, key) if type(key) is slice or type(key) is int \
-            else _basic_row_view(self, key) if isinstance(key, numbers.Integral) else None
+        view = backend.row_view(self, key) if type(key) is slice or type(key) is int \
+            else backend.row_view(self, key) if isinstance(key, numbers.Integral) else None
         if view is not None:
             return view
         if isinstance(key, (numbers.Integral, slice)):
@@ -143,38 +142,6 @@ class LazyArray(NDArray, Ref):
         return NDArray.__reduce__(self.value())
 
 
-def _basic_row_view(arr, key):
-    """``x[i]`` / ``x[a:b]`` along axis 0 as a free view, or None if not that case."""
-    shape = arr._shape
-    n = shape[0]
-    if type(key) is not slice:
-        i = int(key)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("index %d is out of bounds for axis 0 with size %d" % (key, n))
-        squeeze = len(shape) > 1          # MXNet 1.x: a 1-D array indexed gives shape (1,)
-        new_shape = shape[1:] if squeeze else (1,)
-        return _view(arr, i, 1, squeeze, new_shape)
-    if isinstance(key, slice) and (key.step is None or key.step == 1):
-        start, stop, _ = key.indices(n)
-        if stop <= start:
-            return None
-        return _view(arr, start, stop - start, False, (stop - start,) + shape[1:])
-    return None
-
-
-def _view(arr, r0, rc, squeeze, new_shape):
-    if arr._view is not None:
-        pr0, _, psq = arr._view
-        if psq:
-            return None  # a view of a squeezed view is not a row range of the producer
-        r0 = pr0 + r0
-    if arr._node is backend.DETACHED or type(arr._node) is Composite:
-        return None
-    return LazyArray(arr._node, arr._k, new_shape, arr._dtype, arr._ctx, (r0, rc, squeeze))
-
-
 def _tuple_index(arr, key):
     """Basic indexing with ints and unit-step slices over several axes, as lazy ops."""
     shape = arr._shape
@@ -203,4 +170,7 @@ def _tuple_index(arr, key):
     return out
 
 
+# backend reads LazyArray's fields by their C layout when compiled (its .pxd
+# imports this class when it loads), so the class is defined before it
+from . import backend  # noqa: E402
 backend.LazyArray = LazyArray

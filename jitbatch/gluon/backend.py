@@ -9,6 +9,11 @@ import ctypes
 import threading
 
 import numpy as np
+
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # pragma: no cover - Cython is an install requirement
+    cython = None
 from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint
@@ -17,7 +22,7 @@ from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register as _register
 
 from .. import execute
-from ..graph import Composite
+from ..graph import Composite, Node
 from ..errors import StaleValueError
 from ..stats import STATS
 
@@ -46,13 +51,27 @@ def flat_shape(shape, n):
 def extent(node, k):
     """(first row, rows, rows of the whole launch output) of one node's output k
     within its batch's flat output (``plan_gather`` inlines the same)."""
-    if node.rows is None:
-        b = node.info.out_rows[k][0]
-        return node.row * b, b, node.group.size * b
-    return node.off, node.rows, node.group.rows
+    n: Node = node
+    g: Group = n.group
+    if n.rows is None:
+        info: SigInfo = n.info
+        b = info.out_rows[k][0]
+        return n.row * b, b, g.size * b
+    return n.off, n.rows, g.rows
 
 
-LazyArray = None  # set by .array (import cycle)
+if not cython.compiled:
+    # set by .array (import cycle); compiled, the name is the C layout of
+    # LazyArray declared in _lazy.pxd, imported from .array when this loads
+    LazyArray = None
+
+
+def new_lazy(node, k, shape, dtype, ctx, view=None):
+    """``LazyArray(node, k, shape, dtype, ctx, view)``; compiled, made in C with
+    every field set at once (no Python call per field)."""
+    if cython.compiled:
+        return jb_new_lazy(LazyArray, node, k, shape, dtype, ctx, view)
+    return LazyArray(node, k, shape, dtype, ctx, view)
 
 
 # The shape, dtype and device of a concrete input are asked per record (a new
@@ -102,6 +121,43 @@ def concrete_meta(arr):
     return shape, _DTYPES[_dtype_code.value], (_dev_type.value, _dev_id.value)
 
 
+def row_view(arr, key):
+    """``x[i]`` / ``x[a:b]`` of lazy array ``arr`` along axis 0 as a free view
+    (rows of its producer's output: no node), or None if not that case
+    (``LazyArray.__getitem__`` then records an operator)."""
+    a: LazyArray = arr
+    shape = a._shape
+    n = shape[0]
+    if type(key) is not slice:
+        i = int(key)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("index %d is out of bounds for axis 0 with size %d" % (key, n))
+        squeeze = len(shape) > 1          # MXNet 1.x: a 1-D array indexed gives shape (1,)
+        return _view(a, i, 1, squeeze, shape[1:] if squeeze else (1,))
+    if key.step is None or key.step == 1:
+        start, stop, _ = key.indices(n)
+        if stop <= start:
+            return None
+        return _view(a, start, stop - start, False, (stop - start,) + shape[1:])
+    return None
+
+
+def _view(arr, r0, rc, squeeze, new_shape):
+    a: LazyArray = arr
+    view = a._view
+    if view is not None:
+        pr0, _, psq = view
+        if psq:
+            return None  # a view of a squeezed view is not a row range of the producer
+        r0 = pr0 + r0
+    node = a._node
+    if node is DETACHED or type(node) is Composite:
+        return None
+    return new_lazy(node, a._k, new_shape, a._dtype, a._ctx, (r0, rc, squeeze))
+
+
 def mode_scope(mode):
     """The autograd (recording, training) state a node was recorded under."""
     return autograd._RecordingStateScope(mode[0], mode[1])  # pylint: disable=protected-access
@@ -109,11 +165,15 @@ def mode_scope(mode):
 
 def _leaves(v, out):
     """Append the values a composite is made of (through nested composites)."""
-    for part in v._node.parts:
-        if type(part) is LazyArray and type(part._node) is Composite:
-            _leaves(part, out)
-        else:
-            out.append(part)
+    la: LazyArray = v
+    c: Composite = la._node
+    for part in c.parts:
+        if type(part) is LazyArray:
+            lp: LazyArray = part
+            if type(lp._node) is Composite:
+                _leaves(part, out)
+                continue
+        out.append(part)
 
 
 class Plan(object):
@@ -163,11 +223,14 @@ def plan_gather(values, shape, index, sizes):
     or a concrete array (key ``id``). This runs once per row of every launch's
     inputs, so it is written as one flat loop."""
     leaves = []
+    la: LazyArray
     for v in values:
-        if type(v) is LazyArray and type(v._node) is Composite:
-            _leaves(v, leaves)
-        else:
-            leaves.append(v)
+        if type(v) is LazyArray:
+            la = v
+            if type(la._node) is Composite:
+                _leaves(v, leaves)
+                continue
+        leaves.append(v)
     want = flat_shape(shape, len(values)) if shape[0] is not None else \
         _ragged_want(values, shape, sizes)
     return _plan_leaves(leaves, values, want, index, sizes)
@@ -180,9 +243,17 @@ def _plan_leaves(leaves, values, want, index, sizes):
     srcs = {}          # key -> (source, its rows), in first-use order
     rs = None          # the row shape every segment must share
     ones = whole = True
+    la: LazyArray
+    n: Node
+    grp: Group
+    info: SigInfo
     for v in leaves:
         t = type(v)
-        node = v._node if t is LazyArray else None
+        if t is LazyArray:
+            la = v
+            node = la._node
+        else:
+            node = None
         if t is _Pad or t is _View:
             z = v.zeros if t is _Pad else v
             key = id(z)
@@ -193,7 +264,7 @@ def _plan_leaves(leaves, values, want, index, sizes):
                 srcs[key] = (z, full)
             r = v.shape[1:]
         elif node is None or node is DETACHED:
-            arr = v if node is None else v._value
+            arr = v if node is None else la._value
             key = id(arr)
             shp = sizes.get(key)
             if shp is None:
@@ -204,16 +275,18 @@ def _plan_leaves(leaves, values, want, index, sizes):
                 srcs[key] = (arr, full)
             r = shp[1:]
         else:
-            k = v._k
-            grp = node.group
-            per, r = node.info.out_rows[k]
+            n = node
+            k = la._k
+            grp = n.group
+            info = n.info
+            per, r = info.out_rows[k]
             if per is not None:
                 count = per
-                start = node.row * per
+                start = n.row * per
                 full = grp.size * per
             else:
-                start, count, full = node.off, node.rows, grp.rows
-            view = v._view
+                start, count, full = n.off, n.rows, grp.rows
+            view = la._view
             if view is not None:
                 start += view[0]
                 count = view[1]
@@ -325,9 +398,11 @@ def plan_padded(values, shape, axis, index, sizes):
     the gather is planned like any other (the zero rows come from one constant);
     otherwise each sample is padded on its own."""
     ks = []
+    la: LazyArray
     for v in values:
         if type(v) is LazyArray:
-            ks.append(v._shape[axis])
+            la = v
+            ks.append(la._shape[axis])
         else:
             shp = sizes.get(id(v))
             if shp is None:
@@ -362,7 +437,8 @@ def plan_padded(values, shape, axis, index, sizes):
 def _unit_leaves(v, unit, out, views):
     """Append ``v``'s segments as rows of shape ``unit``; False if one is not."""
     if type(v) is LazyArray:
-        node = v._node
+        la: LazyArray = v
+        node = la._node
         if type(node) is Composite:
             parts = []
             _leaves(v, parts)
@@ -371,11 +447,14 @@ def _unit_leaves(v, unit, out, views):
                     return False
             return True
         if node is not DETACHED:
-            if node.info.out_rows[v._k][1] != unit or (v._view is not None and v._view[2]):
+            n: Node = node
+            info: SigInfo = n.info
+            view = la._view
+            if info.out_rows[la._k][1] != unit or (view is not None and view[2]):
                 return False
             out.append(v)
             return True
-        v = v._value
+        v = la._value
     hit = views.get(id(v))      # one source per array, however many samples read it
     if hit is not None and hit[0] is v:
         out.append(hit[1])
@@ -533,13 +612,17 @@ def prepare(batches):
     sizes = {}
     planned = []
     gathers = 0
+    first: Node
+    n: Node
+    info: SigInfo
     for batch in batches:
         first = batch[0]
-        if not first.info.batchable:
+        info = first.info
+        if not info.batchable:
             continue
-        ex = first.info.op
+        ex = info.op
         lst = index.setdefault(ex.ctx, [])
-        cols = list(zip(*[node.inputs for node in batch]))   # per argument: its values
+        cols = list(zip(*[n.inputs for n in batch]))   # per argument: its values
         pad = ex.pad
         in_meta = ex.in_meta
         plans = []
@@ -582,28 +665,41 @@ def _twins(a_values, b_values, kmap):
     either the very same values or the same nodes' rows of another output ``k``
     of the same row layout, one output of ``b`` per output of ``a`` (``kmap``,
     filled in)."""
+    la: LazyArray
+    lb: LazyArray
+    ca: Composite
+    cb: Composite
+    n: Node
+    info: SigInfo
     for a, b in zip(a_values, b_values):
         if type(a) is not LazyArray or type(b) is not LazyArray:
             if a is b:      # one concrete array (a zero state, a constant)
                 continue
             return False
-        node = a._node
+        la = a
+        lb = b
+        node = la._node
         if type(node) is Composite:
-            other = b._node
-            if type(other) is not Composite or len(node.parts) != len(other.parts) or \
-                    not _twins(node.parts, other.parts, kmap):
+            other = lb._node
+            if type(other) is not Composite:
+                return False
+            ca = node
+            cb = other
+            if len(ca.parts) != len(cb.parts) or not _twins(ca.parts, cb.parts, kmap):
                 return False
             continue
-        if node is not b._node or a._view != b._view:
+        if node is not lb._node or la._view != lb._view:
             return False
         if node is DETACHED:
             if a is b:
                 continue
             return False
-        ka, kb = a._k, b._k
+        ka, kb = la._k, lb._k
         k = kmap.get(ka)
         if k is None:
-            rows = node.info.out_rows
+            n = node
+            info = n.info
+            rows = info.out_rows
             if rows[ka] != rows[kb]:
                 return False
             kmap[ka] = kb
@@ -635,9 +731,11 @@ def gather_batch(batch):
 def finish(batch, outs):
     # the nodes' inputs are released later, when a read waits for the kernels
     # (Graph.retire), not here in front of the next launch
-    batch[0].group.outs = outs
-    for node in batch:
-        node.batch = outs
+    n: Node = batch[0]
+    g: Group = n.group
+    g.outs = outs
+    for n in batch:
+        n.batch = outs
 
 
 def row_value(v):

@@ -9,6 +9,11 @@ import threading
 
 import numpy as np
 
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # pragma: no cover - Cython is an install requirement
+    cython = None
+
 from mxnet import autograd
 from mxnet.contrib import autograd as _contrib_autograd
 from mxnet import ndarray as _ndmod
@@ -16,19 +21,21 @@ from mxnet.base import _LIB
 from mxnet.context import Context
 from mxnet.gluon.block import Block, HybridBlock, _flatten, _regroup
 from mxnet.ndarray import NDArray
-from mxnet.util import is_np_array as _is_np_array
+from mxnet.util import _NumpyArrayScope
 from mxnet.ndarray import register as _register
 from mxnet.symbol import Symbol
 
 from .. import config as _config
 from .. import cost
 from ..errors import BatchingError, FlagError
-from ..graph import Composite, current_graph
+from ..graph import Composite, Graph, Node, current_graph
 from ..schedule import POLICIES
 from ..signature import SignatureTable
 from ..stats import STATS
 from . import backend, rewrite
-from .array import LazyArray
+if not cython.compiled:
+    # compiled, the name is LazyArray's C layout (_lazy.pxd, imported from .array)
+    from .array import LazyArray
 from .ops import OpExec, infer_outputs, make_rule, op_name
 
 TABLE = SignatureTable()
@@ -60,6 +67,22 @@ class BatchConfig(object):
 
 def installed():
     return bool(_patches)
+
+
+_NP_STATE = _NumpyArrayScope._current   # MXNet's numpy-semantics scope, per thread
+
+
+def _np_array():
+    """``mxnet.util.is_np_array()`` (read on every block call) without its Python frame."""
+    cur = getattr(_NP_STATE, "value", None)
+    return cur is not None and cur._is_np_array
+
+
+def _lazy(node, k, shape, dtype, ctx, view):
+    """A new LazyArray (see backend.new_lazy)."""
+    if cython.compiled:
+        return jb_new_lazy(LazyArray, node, k, shape, dtype, ctx, view)
+    return LazyArray(node, k, shape, dtype, ctx, view)
 
 
 _IS_REC = _LIB.MXAutogradIsRecording
@@ -109,7 +132,11 @@ def _skip(f):
     if r is None:
         if fn == "<string>":   # MXNet's generated operator wrappers are exec'd code
             return f.f_globals.get("__name__", "").startswith("mxnet")
-        r = _skip_file[fn] = any(s in fn for s in _SKIP)
+        r = False
+        for part in _SKIP:
+            if part in fn:
+                r = True
+        _skip_file[fn] = r
     return r
 
 
@@ -195,7 +222,8 @@ def _device(ctx):
 
 def _meta(a):
     if type(a) is LazyArray:
-        return a._shape, a._dtype, a._ctx
+        la: LazyArray = a
+        return la._shape, la._dtype, la._ctx
     hit = _concrete_meta.get(id(a))
     if hit is not None and hit[0] is a:
         return hit[1]
@@ -257,8 +285,13 @@ def _limit(policy, mode):
 
 def _maybe_autoflush(g):
     if len(g.nodes) >= g.limit:
-        backend.flush_graph(g, reason="limit" if g.limit >= _config.max_pending
-                            else "pipeline")
+        _autoflush(g)
+
+
+def _autoflush(g):
+    """The pending graph reached its size limit: run it (a pipelined chunk, or
+    the ``max_pending`` bound)."""
+    backend.flush_graph(g, reason="limit" if g.limit >= _config.max_pending else "pipeline")
 
 
 # ---------------------------------------------------------------------------------------
@@ -333,11 +366,19 @@ def _rows_composite(kind, handle, ndargs, keys, vals):
         if dim != 0 or any(m[0][1:] != rest for m in mc):
             return None
         shape = (sum(m[0][0] for m in mc),) + rest
-    return LazyArray(Composite(tuple(ndargs), (handle, keys, vals), _mode()), 0, shape, d0, c0)
+    return _lazy(Composite(tuple(ndargs), (handle, keys, vals), _mode()), 0, shape, d0, c0, None)
 
 
 _STACK = {}   # 'handle', 'orig': MXNet's generated nd.stack and its operator
 _STACK_KEYS = ("axis", "num_args")
+_STACK_BUILD = {}   # n -> how a composite of n rows stacked along axis 1 is built
+
+
+def _stack_build(n):
+    b = _STACK_BUILD.get(n)
+    if b is None:
+        b = _STACK_BUILD[n] = (_STACK["handle"], _STACK_KEYS, ("1", str(n)))
+    return b
 
 
 def _stack(*data, **kwargs):
@@ -348,18 +389,22 @@ def _stack(*data, **kwargs):
         # and (canonical) context, stacked along axis 1
         a = data[0]
         if type(a) is LazyArray:
-            s0, d0, c0 = a._shape, a._dtype, a._ctx
+            la: LazyArray = a
+            s0, d0, c0 = la._shape, la._dtype, la._ctx
             if s0 and s0[0] == 1:
                 for b in data:
-                    if type(b) is not LazyArray or b._shape != s0 or b._dtype is not d0 \
-                            or b._ctx is not c0:
+                    if type(b) is not LazyArray:
+                        break
+                    la = b
+                    if (la._shape is not s0 and la._shape != s0) or la._dtype is not d0 \
+                            or la._ctx is not c0:
                         break
                 else:
-                    if not current_graph().executing:
+                    g: Graph = current_graph()
+                    if not g.executing:
                         n = len(data)
-                        return LazyArray(
-                            Composite(data, (_STACK["handle"], _STACK_KEYS, ("1", str(n))),
-                                      _mode()), 0, (1, n) + s0[1:], d0, c0)
+                        return _lazy(Composite(data, _stack_build(n), _mode()), 0,
+                                     (1, n) + s0[1:], d0, c0, None)
     if data and (not kwargs or kwargs.keys() <= {"axis"}):
         for a in data:
             if type(a) is LazyArray:
@@ -408,7 +453,7 @@ def _record_op(g, handle, ndargs, keys, vals, output_is_list):
     if not g.nodes:
         g.limit = _limit(g.policy or "auto", mode)
     node = g.add(info, tuple(ndargs), _site(), mode)
-    outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
+    outs = [_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
     if len(outs) == 1 and not output_is_list:
         return outs[0]
@@ -579,12 +624,12 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
                                                shapes, tuple(b), grown))
 
 
-def _padsize(mc, pads):
-    """A call's size along its padded axes (the largest, if several), from its
-    inputs' metas ``mc``."""
+def _padsize(key, pads):
+    """A call's size along its padded axes (the largest, if several), from the
+    input shapes in its exact key (see _record_block)."""
     k = 0
     for i, axis in pads:
-        s = mc[i][0][axis]
+        s = key[_KEY_ARGS + 2 * i][axis]
         if s > k:
             k = s
     return k
@@ -670,37 +715,68 @@ def _record_block(self, g, x, args, frame):
             raise BatchingError("block %s: %s; a flagged block takes NDArrays (or nested "
                                 "lists of them). Fix: convert it with mx.nd.array(...)."
                                 % (self.name, e)) from e
-        if any(isinstance(a, Symbol) for a in flat):
-            return None
+        for a in flat:
+            if isinstance(a, Symbol):
+                return None
         flat = [a for a in flat if a is not None]
         for a in flat:
             if not isinstance(a, NDArray):
                 raise BatchingError("block %s: argument of type %s; expected NDArray"
                                     % (self.name, type(a).__name__))
-    mc = [_meta(a) for a in flat]
     mode = _mode()
     fkey = len(flat) if t is None else str(fmt)
-    lead = mc[0][0][0] if mc[0][0] else None
-    key = ("blk", id(self), self._jb_token, fkey, tuple(mc), mode)
+    # The exact call's key (see _KEY_ARGS): the block, its structure and the
+    # autograd mode, the context, then each argument's shape and dtype. Every
+    # context is its device's one _Device, so a call on one device (the usual
+    # case) puts it in once; a call mixing devices puts in all (and fails in
+    # _block_info: it is never stored).
+    key = [id(self), self._jb_token, fkey, mode, None]
+    ctx = mixed = None
+    la: LazyArray
+    for a in flat:
+        if type(a) is LazyArray:
+            la = a
+            key.append(la._shape)
+            key.append(la._dtype)
+            c = la._ctx
+        else:
+            m = _meta(a)
+            key.append(m[0])
+            key.append(m[1])
+            c = m[2]
+        if c is not ctx:
+            if ctx is None:
+                ctx = c
+            elif mixed is None:
+                mixed = [ctx]
+        if mixed is not None:
+            mixed.append(c)
+    key[4] = ctx if mixed is None else tuple(mixed)
+    key = tuple(key)
+    shape0 = key[_KEY_ARGS]
+    lead = shape0[0] if shape0 else None
     info = _EXACT.get(key)     # this exact call seen before: its signature, ragged or not
     if info is None:
+        mc = [_meta(a) for a in flat]
         info = _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key)
     if not g.nodes:
         cfg = self._jb_cfg
         g.policy, g.budget, g.granularity = cfg.policy, cfg.budget, cfg.granularity
         g.limit = _limit(cfg.policy, mode)
-    ctx = mc[0][2]
     site = _site_of(frame)
-    if info.out_meta and info.out_meta[0][0][0] is None:
+    si: SigInfo = info
+    out_meta = si.out_meta
+    if out_meta and out_meta[0][0][0] is None:
         node = g.add(info, tuple(flat), site, mode, lead)
-        outs = [LazyArray(node, k, (lead,) + m[0][1:], m[1], ctx)
-                for k, m in enumerate(info.out_meta)]
+        outs = [_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
+                for k, m in enumerate(out_meta)]
     else:
         node = g.add(info, tuple(flat), site, mode)
-        if info.pad_axes is not None:
-            node.pad = _padsize(mc, info.pad_axes)
-        outs = [LazyArray(node, k, m[0], m[1], ctx) for k, m in enumerate(info.out_meta)]
-    _maybe_autoflush(g)
+        if si.pad_axes is not None:
+            node.pad = _padsize(key, si.pad_axes)
+        outs = [_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(out_meta)]
+    if len(g.nodes) >= g.limit:
+        _autoflush(g)
     fmt = self._out_format  # pylint: disable=protected-access
     if fmt == _FLAT.get(len(outs)):
         return outs if len(outs) > 1 else outs[0]
@@ -708,6 +784,7 @@ def _record_block(self, g, x, args, frame):
 
 
 _EXACT = {}   # exact call key -> SigInfo (bounded; skips the ragged key's rebuild)
+_KEY_ARGS = 5   # where the arguments' (shape, dtype) pairs start in an exact call's key
 
 
 def _resolve_block(self, allargs, flat, fmt, mc, mode, fkey, lead, key):
@@ -761,7 +838,7 @@ def _forward(self, x, *args):
     if self._jb_cfg is not None and self._active:
         if isinstance(x, Symbol):
             return _orig_forward(self, x, *args)
-        g = current_graph()
+        g: Graph = current_graph()
         if g.passthrough and not g.nodes and type(x) is not LazyArray and \
                 not any(type(a) is LazyArray for a in args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
@@ -779,12 +856,12 @@ def _call(self, *args):
     so the next minibatch starts clean."""
     if self._jb_cfg is None:
         return _orig_call(self, *args)
-    g = current_graph()
+    g: Graph = current_graph()
     mark = len(g.nodes)
     try:
         if args and type(self).forward is _forward and self._active and \
                 not g.executing and not g.passthrough and not self._forward_hooks and \
-                not self._forward_pre_hooks and not _is_np_array():
+                not self._forward_pre_hooks and not _np_array():
             # what Block.__call__ -> HybridBlock.forward would do here, minus two
             # Python frames: record the call (None: symbols, run it as usual)
             res = _record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access

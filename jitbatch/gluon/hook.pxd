@@ -1,0 +1,18 @@
+# Compiled types of hook.py (see jitbatch/graph.pxd): recording a block call
+# reads its lazy arguments, the pending graph and the signature directly, and
+# makes its nodes and lazy results without a Python call per field.
+from jitbatch.graph cimport Node, Composite, Graph
+from jitbatch.signature cimport SigInfo
+from jitbatch.gluon._lazy cimport LazyArray, jb_new_lazy
+
+
+cdef class Site:
+    cdef public object code, lasti
+
+
+cdef object _lazy(object node, object k, object shape, object dtype, object ctx, object view)
+cpdef _meta(a)
+cpdef _mode()
+cpdef _skip(f)
+cpdef _site_of(f)
+cpdef _record_block(self, Graph g, x, tuple args, frame)

@@ -1,0 +1,30 @@
+# Compiled types of graph.py (Cython's "augmenting .pxd": the .py stays the one
+# implementation, this file only gives its records C layouts, so compiled code
+# reads and writes their fields directly instead of through Python attribute
+# lookups). Every field stays readable and writable from Python (public).
+
+cdef class Node:
+    cdef public object info, inputs, depth, site, mode, batch, error, graph, group
+    cdef public object plan, rows, users
+    cdef public Py_ssize_t row, seq, off, wait, height, pad
+
+
+cdef class Composite:
+    cdef public object parts, build, mode, depth
+
+
+cdef class Group:
+    cdef public Py_ssize_t size, rows
+    cdef public object outs
+
+
+cdef class Graph:
+    cdef public list nodes
+    cdef public object thread, policy, budget, granularity
+    cdef public Py_ssize_t seq, passthrough, limit
+    cdef public bint executing
+    cdef public list retired, kept, kept_before
+    cpdef Node add(self, info, tuple inputs, site, mode, rows=*)
+
+
+cpdef Graph current_graph()
