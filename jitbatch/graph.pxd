@@ -3,8 +3,12 @@
 # reads and writes their fields directly instead of through Python attribute
 # lookups). Every field stays readable and writable from Python (public).
 
+from jitbatch.signature cimport SigInfo
+
+
 cdef class Node:
-    cdef public object info, inputs, depth, site, mode, batch, error, graph, group
+    cdef public SigInfo info
+    cdef public object inputs, depth, site, mode, batch, error, graph, group
     cdef public object plan, rows, users
     cdef public Py_ssize_t row, seq, off, wait, height, pad
 
@@ -28,3 +32,5 @@ cdef class Graph:
 
 
 cpdef Graph current_graph()
+cpdef _sources(x)
+cpdef _producers(x, list out)

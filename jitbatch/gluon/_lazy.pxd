@@ -45,6 +45,14 @@ cdef extern from *:
         Py_INCREF(Py_True); o->writable = Py_True;
         return (PyObject *)o;
     }
+
+    /* LazyArray.__del__ only keeps NDArray's (which frees the handle) from
+       running: it has nothing to do. Called per freed lazy array (tens of
+       thousands per graph) it is a Python call each; without a finalizer
+       slot the type's deallocation skips it. */
+    static void jb_drop_finalizer(PyObject *type) {
+        ((PyTypeObject *)type)->tp_finalize = NULL;
+    }
     """
     ctypedef class jitbatch.gluon.array.LazyArray [object JbLazyArrayObject, check_size error]:
         cdef object _ctx
@@ -57,3 +65,4 @@ cdef extern from *:
 
     object jb_new_lazy(object type, object node, object k, object shape, object dtype,
                        object ctx, object view)
+    void jb_drop_finalizer(object type)

@@ -3,7 +3,7 @@
 # their launch groups directly.
 from jitbatch.graph cimport Node, Composite, Group
 from jitbatch.signature cimport SigInfo
-from jitbatch.gluon._lazy cimport LazyArray, jb_new_lazy
+from jitbatch.gluon._lazy cimport LazyArray, jb_new_lazy, jb_drop_finalizer
 
 
 cdef class Plan:

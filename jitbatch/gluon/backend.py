@@ -64,6 +64,8 @@ if not cython.compiled:
     # set by .array (import cycle); compiled, the name is the C layout of
     # LazyArray declared in _lazy.pxd, imported from .array when this loads
     LazyArray = None
+else:
+    jb_drop_finalizer(LazyArray)   # see _lazy.pxd
 
 
 def new_lazy(node, k, shape, dtype, ctx, view=None):

@@ -16,3 +16,8 @@ cpdef _mode()
 cpdef _skip(f)
 cpdef _site_of(f)
 cpdef _record_block(self, Graph g, x, tuple args, frame)
+cpdef _padsize(tuple key, pads)
+
+# module dicts read on every record (typed: C dict calls, no method lookups)
+cdef dict _EXACT, _FLAT, _FLAT_IN, _skip_file, _concrete_meta, _STACK_BUILD
+cdef list _LAST_CONCRETE

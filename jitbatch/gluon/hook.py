@@ -203,6 +203,8 @@ class _Device(Context):
     def __init__(self, ctx):
         super(_Device, self).__init__(ctx)
         self._hash = hash(ctx)
+        self._jb_id = len(_CONTEXTS)   # its number: exact call keys hold this (an int
+                                       # hashes in C; this class's __hash__ is Python)
 
     def __hash__(self):
         return self._hash
@@ -220,12 +222,19 @@ def _device(ctx):
     return c
 
 
+_LAST_CONCRETE = [None, None]   # the concrete array _meta saw last, and its meta
+
+
 def _meta(a):
     if type(a) is LazyArray:
         la: LazyArray = a
         return la._shape, la._dtype, la._ctx
+    last = _LAST_CONCRETE
+    if a is last[0]:    # the same constant (a zero state) in call after call
+        return last[1]
     hit = _concrete_meta.get(id(a))
     if hit is not None and hit[0] is a:
+        last[0], last[1] = a, hit[1]
         return hit[1]
     fast = backend.concrete_meta(a)
     if fast is not None:
@@ -728,9 +737,9 @@ def _record_block(self, g, x, args, frame):
     # The exact call's key (see _KEY_ARGS): the block, its structure and the
     # autograd mode, the context, then each argument's shape and dtype. Every
     # context is its device's one _Device, so a call on one device (the usual
-    # case) puts it in once; a call mixing devices puts in all (and fails in
-    # _block_info: it is never stored).
-    key = [id(self), self._jb_token, fkey, mode, None]
+    # case) puts in its number once; a call mixing devices puts in all (and
+    # fails in _block_info: it is never stored).
+    key = [self, self._jb_token, fkey, mode, None]
     ctx = mixed = None
     la: LazyArray
     for a in flat:
@@ -751,7 +760,7 @@ def _record_block(self, g, x, args, frame):
                 mixed = [ctx]
         if mixed is not None:
             mixed.append(c)
-    key[4] = ctx if mixed is None else tuple(mixed)
+    key[4] = ctx._jb_id if mixed is None else tuple(mixed)
     key = tuple(key)
     shape0 = key[_KEY_ARGS]
     lead = shape0[0] if shape0 else None
@@ -1017,3 +1026,5 @@ def uninstall():
     TABLE.clear()   # block instances keep inert _jb_cfg/_jb_token attributes
     _EXACT.clear()
     _MEASURED.clear()
+    _concrete_meta.clear()
+    _LAST_CONCRETE[0] = _LAST_CONCRETE[1] = None
