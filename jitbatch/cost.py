@@ -30,6 +30,13 @@ import math
 import threading
 import time
 
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # pragma: no cover - Cython is an install requirement
+    cython = None
+
+from .graph import Node
+
 
 #: nodes per launch a pipelined chunk must hold at least (see Pipe.feasible)
 CHUNK_MERGE = 4
@@ -228,6 +235,7 @@ class Model(object):
         """{(depth, signature): [first node, node count]} - the launches of
         depth grouping and their sizes."""
         groups = {}
+        n: Node
         for n in nodes:
             k = (n.depth, n.info)
             g = groups.get(k)

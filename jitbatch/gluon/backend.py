@@ -249,6 +249,9 @@ def _plan_leaves(leaves, values, want, index, sizes):
     n: Node
     grp: Group
     info: SigInfo
+    start: cython.Py_ssize_t
+    count: cython.Py_ssize_t
+    full: cython.Py_ssize_t
     for v in leaves:
         t = type(v)
         if t is LazyArray:
@@ -284,8 +287,8 @@ def _plan_leaves(leaves, values, want, index, sizes):
             per, r = info.out_rows[k]
             if per is not None:
                 count = per
-                start = n.row * per
-                full = grp.size * per
+                start = n.row * count
+                full = grp.size * count
             else:
                 start, count, full = n.off, n.rows, grp.rows
             view = la._view
@@ -295,7 +298,7 @@ def _plan_leaves(leaves, values, want, index, sizes):
             key = grp if k == 0 else (grp, k)
             if key not in srcs:
                 srcs[key] = ((grp, k), full)
-        if r != rs:
+        if r is not rs and r != rs:
             if rs is not None:
                 return Plan("each", None, 0, 0, want, list(values))
             rs = r

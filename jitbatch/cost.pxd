@@ -1,0 +1,2 @@
+# Compiled types of cost.py (see jitbatch/graph.pxd).
+from jitbatch.graph cimport Node
