@@ -135,3 +135,29 @@ def test_a_dropped_pending_lazy_array_computes_nothing():
     assert jitbatch.stats()["flushes"] == 0 and jitbatch.stats()["pending"] == 5
     assert np.allclose(kept[0].asnumpy(), kept[3].asnumpy())
     net.hybridize(active=False)
+
+
+def test_gather_calls_match_mxnets_own():
+    # compiled, the gathers' take/Concat/slice/reshape and the concrete-metadata
+    # reads call MXNet's C API directly (gluon/_mxapi.pxd): the same arrays and
+    # the same errors as MXNet's Python wrappers
+    import mxnet as mx
+    from mxnet import nd
+    from jitbatch.gluon import backend
+    a = nd.array(np.arange(24, dtype=np.float32).reshape(6, 4))
+    idx = nd.array([5, 0, 2], dtype="int64")
+    cases = [(backend._take(a, idx), nd.take(a, idx)),
+             (backend._concat([a, a[1:3]]), nd.concat(a, a[1:3], dim=0)),
+             (backend._rows(a, 2, 5), a[2:5]),
+             (backend._reshape(a, (3, 8)), a.reshape((3, 8)))]
+    for got, want in cases:
+        assert type(got) is nd.NDArray and got.writable
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    view = backend._rows(a, 0, 2)
+    view[:] = 7                                  # a view: writes reach the source
+    assert (a[:2].asnumpy() == 7).all()
+    assert backend.concrete_meta(a) == ((6, 4), np.float32, (1, 0))
+    assert backend.concrete_shape(nd.zeros((5,))) == (5,)
+    with pytest.raises(mx.base.MXNetError, match="Concat|concat|shape"):
+        backend._concat([a, nd.zeros((2, 5))]).asnumpy()

@@ -4,6 +4,8 @@
 from jitbatch.graph cimport Node, Composite, Group
 from jitbatch.signature cimport SigInfo
 from jitbatch.gluon._lazy cimport LazyArray, jb_new_lazy, jb_drop_finalizer
+from jitbatch.gluon._mxapi cimport (jb_mx_init, jb_take, jb_concat, jb_rows, jb_reshape,
+                                    jb_shape, jb_meta)
 
 
 cdef class Plan:
@@ -16,3 +18,8 @@ cdef class _Pad:
 
 cdef class _View:
     cdef public object arr, shape
+
+
+cpdef new_lazy(node, k, shape, dtype, ctx, view=*)
+cpdef _view(arr, r0, rc, squeeze, new_shape)
+cdef bint _DIRECT

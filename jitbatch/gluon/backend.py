@@ -106,9 +106,41 @@ def _shape(handle):
     return None if n == -1 else tuple(_pshape[:n])
 
 
+def _address(fn):
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _direct_calls():
+    """Compiled: hand the C-API functions' addresses to _mxapi.pxd's callers
+    (direct C calls instead of ctypes); False where NDArray's layout is not
+    the one they make (then the ctypes paths run)."""
+    if not cython.compiled:
+        return False
+    ptr = ctypes.sizeof(ctypes.c_void_p)
+    if NDArray.__basicsize__ != object.__basicsize__ + 2 * ptr or \
+            NDArray.__mro__[1].__slots__ != ["handle", "writable"]:
+        return False
+    wide = _nd_impl._int64_enabled()
+    fns = (_address(_LIB.MXImperativeInvokeEx), _address(_LIB.MXNDArraySlice),
+           _address(_LIB.MXNDArrayReshape64),
+           _address(_LIB.MXNDArrayGetShapeEx64) if wide else None,
+           None if wide else _address(_LIB.MXNDArrayGetShapeEx),
+           _address(_LIB.MXNDArrayGetDType), _address(_LIB.MXNDArrayGetContext))
+    jb_mx_init(fns, NDArray, NDArrayHandle, check_call)
+    return True
+
+
+_DIRECT = _direct_calls()
+
+
 def concrete_shape(arr):
     """``arr.shape`` of a concrete array (see above)."""
-    return _shape(arr.handle) if type(arr) is NDArray else arr.shape
+    if type(arr) is not NDArray:
+        return arr.shape
+    if cython.compiled:
+        if _DIRECT:
+            return jb_shape(arr)
+    return _shape(arr.handle)
 
 
 def concrete_meta(arr):
@@ -116,6 +148,10 @@ def concrete_meta(arr):
     or None for any other array type."""
     if type(arr) is not NDArray:
         return None
+    if cython.compiled:
+        if _DIRECT:
+            shape, code, dev_type, dev_id = jb_meta(arr)
+            return shape, _DTYPES[code], (dev_type, dev_id)
     h = arr.handle
     shape = _shape(h)
     check_call(_GET_DTYPE(h, _DTYPE))
@@ -540,16 +576,25 @@ def _handle(name):
 
 
 def _take(src, idx):
+    if cython.compiled:
+        if _DIRECT:
+            return jb_take(_handle("take"), src, idx)
     return _invoke(_handle("take"), [src, idx], ["axis"], ["0"], None, False, False)
 
 
 def _concat(srcs):
+    if cython.compiled:
+        if _DIRECT:
+            return jb_concat(_handle("Concat"), srcs)
     return _invoke(_handle("Concat"), srcs, ["num_args", "dim"], [str(len(srcs)), "0"],
                    None, False, False)
 
 
 def _rows(arr, start, stop):
     """Rows ``start:stop`` of ``arr``: a view (recorded for autograd when recording)."""
+    if cython.compiled:
+        if _DIRECT:
+            return jb_rows(arr, start, stop)
     h = NDArrayHandle()
     check_call(_LIB.MXNDArraySlice(arr.handle, mx_uint(start), mx_uint(stop), ctypes.byref(h)))
     return NDArray(handle=h, writable=arr.writable)
@@ -557,6 +602,9 @@ def _rows(arr, start, stop):
 
 def _reshape(arr, shape):
     """``arr.reshape(shape)`` for a shape of the same size (known here)."""
+    if cython.compiled:
+        if _DIRECT:
+            return jb_reshape(arr, tuple(shape))
     h = NDArrayHandle()
     check_call(_LIB.MXNDArrayReshape64(arr.handle, len(shape), c_array(ctypes.c_int64, shape),
                                        False, ctypes.byref(h)))
