@@ -15,6 +15,7 @@ cdef class Node:
 
 cdef class Composite:
     cdef public object parts, build, mode, depth
+    cdef public list nodes
 
 
 cdef class Group:
@@ -28,7 +29,10 @@ cdef class Graph:
     cdef public Py_ssize_t seq, passthrough, limit
     cdef public bint executing
     cdef public list retired, kept, kept_before
+    cdef public object autograd
+    cdef public Py_ssize_t autograd_gen
     cpdef Node add(self, info, tuple inputs, site, mode, rows=*)
+    cdef bint _link(self, Node n, Node p)
 
 
 cpdef Graph current_graph()

@@ -63,8 +63,9 @@ class Composite(object):
     per-sample rows, a concatenation along axis 0): no node, no launch of its
     own. Consumers depend on, and gather from, its ``parts``; ``build`` makes
     the value when it is read on its own. ``batch`` is never None: it is not
-    pending itself."""
-    __slots__ = ("parts", "build", "mode", "depth")
+    pending itself. ``nodes``: the pending nodes behind its parts when it was
+    made (through nested composites; consumers link to those still pending)."""
+    __slots__ = ("parts", "build", "mode", "depth", "nodes")
     batch = ()
     error = None
     users = None
@@ -74,18 +75,23 @@ class Composite(object):
         self.build = build
         self.mode = mode
         d = 0
+        nodes = []
         for x in parts:
             if isinstance(x, Ref):
                 p = x._node
                 if type(p) is Node:
                     pn: Node = p
-                    if pn.batch is None and pn.depth > d:
-                        d = pn.depth
+                    if pn.batch is None:
+                        nodes.append(p)
+                        if pn.depth > d:
+                            d = pn.depth
                 elif type(p) is Composite:
                     pc: Composite = p
+                    nodes.extend(pc.nodes)
                     if pc.depth > d:
                         d = pc.depth
         self.depth = d
+        self.nodes = nodes
 
     @property
     def failed(self):
@@ -111,13 +117,10 @@ def _sources(x):
 def _producers(x, out):
     """Pending producer nodes behind a composite input (through nested composites)."""
     c: Composite = x._node
-    for y in c.parts:
-        if isinstance(y, Ref):
-            p = y._node
-            if type(p) is Composite:
-                _producers(y, out)
-            elif p.batch is None:
-                out.append(p)
+    p: Node
+    for p in c.nodes:
+        if p.batch is None:
+            out.append(p)
 
 
 class Group(object):
@@ -143,6 +146,8 @@ class Graph(object):
         self.granularity = None
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
         self.limit = config.max_pending   # pending nodes at which the graph runs itself
+        self.autograd = None   # the backend's: the thread's autograd state as last read,
+        self.autograd_gen = -1  # valid while the backend's setter count is this
         self.retired = []      # node lists of finished flushes (see retire)
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it
@@ -153,28 +158,43 @@ class Graph(object):
                 gc_pause(self)
         n: Node = Node(info, inputs, 1, site, mode, self, self.seq, rows)
         p: Node
+        c: Composite
         wait: cython.Py_ssize_t = 0
         d = 0
         for x in inputs:
             if isinstance(x, Ref):
-                for q in _sources(x):
-                    if type(q) is not Node:
-                        continue    # not pending: a detached value
+                q = x._node
+                if type(q) is Node:
                     p = q
-                    if p.batch is None and p.graph is self:
+                    if self._link(n, p):
                         wait += 1
-                        users = p.users
-                        if users is None:
-                            p.users = [n]
-                        else:
-                            users.append(n)
                         if p.depth > d:
                             d = p.depth
+                elif type(q) is Composite:     # else: not pending (a detached value)
+                    c = q
+                    for p in c.nodes:
+                        if self._link(n, p):
+                            wait += 1
+                            if p.depth > d:
+                                d = p.depth
         n.wait = wait
         n.depth = d + 1
         self.seq += 1
         self.nodes.append(n)
         return n
+
+    def _link(self, n, p):
+        """Node ``n`` reads ``p``: if ``p`` is pending in this graph, ``n`` becomes
+        one of its users (True)."""
+        pn: Node = p
+        if pn.batch is None and pn.graph is self:
+            users = pn.users
+            if users is None:
+                pn.users = [n]
+            else:
+                users.append(n)
+            return True
+        return False
 
     def take(self):
         """Remove and return the pending nodes (the flush owns them from here)."""

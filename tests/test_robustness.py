@@ -212,3 +212,51 @@ def test_exception_in_backward_leaves_jitbatch_usable():
         loss2 = nd.sum(net(x))
     loss2.backward()
     assert np.allclose(net.weight.grad().asnumpy(), g1)
+
+
+def test_autograd_state_is_read_per_thread_while_another_changes_it():
+    """The kept autograd state is per thread: one thread entering and leaving
+    ``autograd.record()`` between another's records changes neither that
+    thread's recorded mode nor its values and gradients."""
+    net = nn.Dense(3, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    x = nd.array([[1.0, -2.0]])
+    want = net(x).value().asnumpy()
+    inside, outside = threading.Barrier(2), threading.Barrier(2)
+    box, errors = {}, []
+
+    def recorder():
+        try:
+            xg = x.copy()
+            xg.attach_grad()
+            with autograd.record():
+                inside.wait()                 # the other thread records now ...
+                box["rec"] = net(xg)
+                outside.wait()                # ... and again, after this record
+                box["rec"].sum().backward()
+            box["grad"] = xg.grad.asnumpy()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def predictor():
+        try:
+            inside.wait()
+            box["pred"] = [net(x)]
+            outside.wait()
+            box["pred"].append(net(x))
+            box["pred_modes"] = [y._node.mode for y in box["pred"]]
+            box["pred"] = [y.asnumpy() for y in box["pred"]]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=f) for f in (recorder, predictor)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert box["pred_modes"] == [(False, False), (False, False)]
+    for y in box["pred"]:
+        assert np.allclose(y, want, rtol=1e-5)
+    assert np.allclose(box["grad"], net.weight.data().asnumpy().sum(axis=0), rtol=1e-5)

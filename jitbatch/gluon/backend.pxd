@@ -23,3 +23,14 @@ cdef class _View:
 cpdef new_lazy(node, k, shape, dtype, ctx, view=*)
 cpdef _view(arr, r0, rc, squeeze, new_shape)
 cdef bint _DIRECT
+cpdef extent(node, k)
+cpdef _leaves(v, list out)
+cpdef plan_gather(values, shape, list index, dict sizes)
+cpdef _plan_leaves(list leaves, values, want, list index, dict sizes)
+cpdef _plan_take_concat(dict srcs, list keys, list starts, list counts, ones, want, rs,
+                        list index)
+cpdef plan_padded(values, shape, axis, list index, dict sizes)
+cpdef _unit_leaves(v, unit, list out, dict views)
+cpdef _ragged_want(values, shape, dict sizes)
+cpdef _twins(a_values, b_values, dict kmap)
+cpdef finish(batch, outs)

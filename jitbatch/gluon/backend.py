@@ -362,11 +362,12 @@ def _plan_leaves(leaves, values, want, index, sizes):
             for s, c in zip(starts, counts):
                 index.extend(range(s, s + c))
         return Plan("take", [src], a, len(index), want, have=(len(index) - a,) + rs)
+    total = 0
+    for _, full in srcs.values():
+        total += full
     if whole and len(srcs) == len(keys):
         # each segment is a whole source, used once, in order
-        return Plan("concat", [x[0] for x in srcs.values()], 0, 0, want,
-                    have=(sum(x[1] for x in srcs.values()),) + rs)
-    total = sum(full for _, full in srcs.values())
+        return Plan("concat", [x[0] for x in srcs.values()], 0, 0, want, have=(total,) + rs)
     taken = len(keys) if ones else sum(counts)
     if total > _SPARSE * taken:
         return _plan_take_concat(srcs, keys, starts, counts, ones, want, rs, index)
@@ -456,7 +457,11 @@ def plan_padded(values, shape, axis, index, sizes):
     want = flat_shape(full, len(values))
     unit = tuple(shape[axis + 1:])
     leaves = []
-    if all(d == 1 for d in shape[:axis]):
+    ones = True
+    for d in shape[:axis]:
+        if d != 1:
+            ones = False
+    if ones:
         first = values[0]
         dtype, ctx = first.dtype, first.context
         zeros = _zeros(kmax, unit, dtype, ctx)

@@ -12,7 +12,7 @@ cdef class Site:
 
 cdef object _lazy(object node, object k, object shape, object dtype, object ctx, object view)
 cpdef _meta(a)
-cpdef _mode()
+cpdef _mode(g)
 cpdef _skip(f)
 cpdef _site_of(f)
 cpdef _record_block(self, Graph g, x, tuple args, frame)
@@ -21,3 +21,4 @@ cpdef _padsize(tuple key, pads)
 # module dicts read on every record (typed: C dict calls, no method lookups)
 cdef dict _EXACT, _FLAT, _FLAT_IN, _skip_file, _concrete_meta, _STACK_BUILD
 cdef list _LAST_CONCRETE
+cdef Py_ssize_t _MODE_GEN

@@ -87,38 +87,40 @@ def _lazy(node, k, shape, dtype, ctx, view):
 
 _IS_REC = _LIB.MXAutogradIsRecording
 _IS_TRAIN = _LIB.MXAutogradIsTraining
-_modes = threading.local()   # .mode: this thread's autograd state, while known
+_MODE_GEN = 0   # bumped by every autograd-state setter: kept states older are stale
 
 
-def _mode():
-    """``(autograd.is_recording(), autograd.is_training())`` of this thread, asked
-    of MXNet once and then kept until MXNet's setters change it (``install``
-    wraps them so they drop the kept value); read on every record."""
-    try:
-        m = _modes.mode
-    except AttributeError:
-        m = None
-    if m is None:
-        r, t = ctypes.c_bool(), ctypes.c_bool()
-        if _IS_REC(ctypes.byref(r)) or _IS_TRAIN(ctypes.byref(t)):
-            return (autograd.is_recording(), autograd.is_training())  # MXNet's error
-        m = _modes.mode = (r.value, t.value)
+def _mode(g):
+    """``(autograd.is_recording(), autograd.is_training())`` of this thread (whose
+    graph is ``g``), asked of MXNet once and then kept on the graph until one of
+    MXNet's setters runs (``install`` wraps them so that they bump
+    ``_MODE_GEN``: every thread asks again, the one that changed among them);
+    read on every record."""
+    gr: Graph = g
+    if gr.autograd_gen == _MODE_GEN:
+        return gr.autograd
+    r, t = ctypes.c_bool(), ctypes.c_bool()
+    if _IS_REC(ctypes.byref(r)) or _IS_TRAIN(ctypes.byref(t)):
+        return (autograd.is_recording(), autograd.is_training())  # MXNet's error
+    m = gr.autograd = (r.value, t.value)
+    gr.autograd_gen = _MODE_GEN
     return m
 
 
 def forget_mode():
-    """Drop this thread's kept autograd state (read again at the next record)."""
-    _modes.mode = None
+    """Drop the kept autograd states (read again at the next record)."""
+    global _MODE_GEN
+    _MODE_GEN += 1
 
 
 def _drops_mode(setter):
-    """Wrap an MXNet autograd-state setter so this thread asks again after it."""
+    """Wrap an MXNet autograd-state setter so the states are asked again after it."""
     @_wraps(setter)
     def wrapper(*args, **kwargs):
         try:
             return setter(*args, **kwargs)
         finally:
-            _modes.mode = None
+            forget_mode()
     return wrapper
 
 
@@ -375,7 +377,8 @@ def _rows_composite(kind, handle, ndargs, keys, vals):
         if dim != 0 or any(m[0][1:] != rest for m in mc):
             return None
         shape = (sum(m[0][0] for m in mc),) + rest
-    return _lazy(Composite(tuple(ndargs), (handle, keys, vals), _mode()), 0, shape, d0, c0, None)
+    return _lazy(Composite(tuple(ndargs), (handle, keys, vals), _mode(current_graph())), 0,
+                 shape, d0, c0, None)
 
 
 _STACK = {}   # 'handle', 'orig': MXNet's generated nd.stack and its operator
@@ -412,7 +415,7 @@ def _stack(*data, **kwargs):
                     g: Graph = current_graph()
                     if not g.executing:
                         n = len(data)
-                        return _lazy(Composite(data, _stack_build(n), _mode()), 0,
+                        return _lazy(Composite(data, _stack_build(n), _mode(g)), 0,
                                      (1, n) + s0[1:], d0, c0, None)
     if data and (not kwargs or kwargs.keys() <= {"axis"}):
         for a in data:
@@ -438,7 +441,7 @@ def build_composite(comp):
 
 def _record_op(g, handle, ndargs, keys, vals, output_is_list):
     mc = [_meta(a) for a in ndargs]
-    mode = _mode()
+    mode = _mode(g)
     vkey = tuple(vals)
     try:
         hash(vkey)
@@ -732,7 +735,7 @@ def _record_block(self, g, x, args, frame):
             if not isinstance(a, NDArray):
                 raise BatchingError("block %s: argument of type %s; expected NDArray"
                                     % (self.name, type(a).__name__))
-    mode = _mode()
+    mode = _mode(g)
     fkey = len(flat) if t is None else str(fmt)
     # The exact call's key (see _KEY_ARGS): the block, its structure and the
     # autograd mode, the context, then each argument's shape and dtype. Every
@@ -990,8 +993,7 @@ def install():
     # the autograd state is kept per thread between records: every Python path
     # that changes it (record/pause/train_mode/predict_mode scopes, the setters,
     # the deprecated contrib API) goes through these module functions
-    global _modes
-    _modes = threading.local()
+    forget_mode()
     for owner, names in ((autograd, ("set_recording", "set_training")),
                          (_contrib_autograd, ("set_is_training",))):
         for name in names:
@@ -1021,8 +1023,7 @@ def uninstall():
             delattr(owner, name)
         else:
             setattr(owner, name, orig)
-    global _modes
-    _modes = threading.local()
+    forget_mode()
     TABLE.clear()   # block instances keep inert _jb_cfg/_jb_token attributes
     _EXACT.clear()
     _MEASURED.clear()
