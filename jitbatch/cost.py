@@ -376,14 +376,19 @@ class Model(object):
         return out
 
     @staticmethod
-    def passthrough_after(nodes, launches, nothing_to_merge=True):
+    def passthrough_after(nodes, launches, nothing_to_merge=True, streak=0):
         """Calls to run eagerly (unrecorded) after an 'auto' flush in which no
         two nodes could run together: recording would be pure overhead. Bounded,
         so batchable work that follows is recorded again soon (the next flush
-        re-checks). Not after a flush the budget kept sequential."""
+        re-checks): 4x the flush's nodes, at least 64, doubled for each flush
+        before it in a row that found the same (``streak``) up to 4096 calls, so
+        a long run of unmergeable work records ever less of itself. Not after a
+        flush the budget kept sequential."""
         if not nothing_to_merge or launches < nodes or nodes < 2:
             return 0
-        return max(64, 4 * nodes)
+        base = max(64, 4 * nodes)
+        return max(base, min(base << min(streak, 8), PASSTHROUGH_CAP))
 
 
+PASSTHROUGH_CAP = 4096   # most calls run eagerly between two re-checks (grown windows)
 MODEL = Model()

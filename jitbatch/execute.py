@@ -154,7 +154,9 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
             cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, len(batches),
                                         reason not in _CHUNKS, calibrate)
         graph.passthrough = cost.MODEL.passthrough_after(
-            len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)))
+            len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)),
+            streak=graph.quiet)
+        graph.quiet = graph.quiet + 1 if graph.passthrough else 0
     STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
                           "launches": len(batches), "analysis_seconds": analysis,
                           "execute_seconds": execution, "predicted": predicted,

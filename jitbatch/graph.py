@@ -145,6 +145,7 @@ class Graph(object):
         self.budget = None
         self.granularity = None
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
+        self.quiet = 0         # 'auto' flushes in a row that found nothing to merge
         self.limit = config.max_pending   # pending nodes at which the graph runs itself
         self.autograd = None   # the backend's: the thread's autograd state as last read,
         self.autograd_gen = -1  # valid while the backend's setter count is this

@@ -109,6 +109,11 @@ def test_auto_runs_sequential_when_nothing_repeats():
     assert pol == "sequential" and "nothing to merge" in why
     assert cost.MODEL.passthrough_after(4, 4) >= 64 and cost.MODEL.passthrough_after(4, 3) == 0
     assert cost.MODEL.passthrough_after(4, 4, nothing_to_merge=False) == 0
+    # windows double with each such flush in a row, up to the cap
+    wins = [cost.MODEL.passthrough_after(200, 200, streak=k) for k in range(6)]
+    assert wins == [800, 1600, 3200, cost.PASSTHROUGH_CAP, cost.PASSTHROUGH_CAP,
+                    cost.PASSTHROUGH_CAP]
+    assert cost.MODEL.passthrough_after(5000, 5000, streak=3) == 20000  # never below 4x
 
 
 def test_budget_steers_auto():

@@ -693,3 +693,42 @@ def test_concrete_metadata_read_through_the_c_api_matches_mxnet(dtype, shape):
     # another array type (the numpy front end) is read through its properties
     b = mx.np.zeros(shape, dtype=dtype)
     assert backend.concrete_meta(b) is None and backend.concrete_shape(b) == b.shape
+
+
+def test_unmergeable_chain_runs_eagerly_in_growing_windows():
+    # a chain (each call reads the last): 'auto' finds nothing to merge, runs
+    # the next calls unrecorded, records again to re-check, and each such
+    # re-check in a row doubles the window; work that merges ends the streak
+    from jitbatch.graph import current_graph
+    net = nn.Dense(4, in_units=4)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    x = nd.ones((1, 4))
+
+    def chain(steps):
+        h = x
+        for _ in range(steps):
+            h = net(h)
+        return h.asnumpy()
+
+    want = chain(20)                # recorded: 20 nodes in 20 launches
+    g = current_graph()
+    assert g.passthrough == 80 and g.quiet == 1
+    recorded = []
+    for i in range(40):
+        before = jitbatch.stats()["nodes"]
+        assert np.allclose(chain(20), want, rtol=1e-5)
+        if jitbatch.stats()["nodes"] > before:
+            recorded.append((i, g.passthrough))
+    # 4 chains eagerly, one recorded, 8 eagerly, one recorded, 16 ...
+    assert recorded == [(4, 160), (13, 320), (30, 640)] and g.quiet == 4
+    g.passthrough = 0
+    ys = [net(x) for _ in range(3)]  # three independent calls: they merge ...
+    jitbatch.flush()
+    assert jitbatch.stats()["last_flush"]["launches"] == 1
+    assert g.quiet == 0 and g.passthrough == 0      # ... and the streak ends
+    assert all(np.allclose(y.asnumpy(), ys[0].asnumpy()) for y in ys)
+    chain(20)
+    assert g.passthrough == 80 and g.quiet == 1
+    net.hybridize(dynamic_batch=True)
+    assert g.passthrough == 0 and g.quiet == 0

@@ -929,7 +929,7 @@ def _make_hybridize(orig):
             g = current_graph()
             if g.nodes:  # flags change: run what was recorded under the old ones
                 backend.flush_graph(g, reason="flags changed")
-            g.passthrough = 0  # new flags: record again before judging
+            g.passthrough = g.quiet = 0  # new flags: record again before judging
         _tls.inside = True
         try:
             orig(self, active, *args, **kwargs)
