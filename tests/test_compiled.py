@@ -41,15 +41,21 @@ def test_every_current_build_is_used_and_nothing_else():
         ([] if _compiled.pure() or len(fresh) < len(BUILT) else fresh)
 
 
+def _run_edited(tmp_path, name, addition, code):
+    """Run ``code`` on a copy of the package whose file ``name`` has ``addition``
+    appended (its build is then stale), with warnings shown."""
+    shutil.copytree(os.path.join(ROOT, "jitbatch"), tmp_path / "jitbatch")
+    edited = tmp_path / "jitbatch" / name
+    edited.write_text(edited.read_text() + addition)
+    return _run("import warnings; warnings.simplefilter('always')\n" + code,
+                cwd=str(tmp_path), env={"PYTHONPATH": str(tmp_path), "JITBATCH_PURE": ""})
+
+
 @needs_build
 def test_a_stale_build_runs_from_source_with_a_warning(tmp_path):
-    shutil.copytree(os.path.join(ROOT, "jitbatch"), tmp_path / "jitbatch")
-    edited = tmp_path / "jitbatch" / "schedule.py"
-    edited.write_text(edited.read_text() + "\nEDITED = True\n")
-    r = _run("import warnings; warnings.simplefilter('always')\n"
-             "import jitbatch, jitbatch.schedule as s\n"
-             "print(jitbatch.compiled_modules(), s.EDITED, s.__file__)", cwd=str(tmp_path),
-             env={"PYTHONPATH": str(tmp_path), "JITBATCH_PURE": ""})
+    r = _run_edited(tmp_path, "schedule.py", "\nEDITED = True\n",
+                    "import jitbatch, jitbatch.schedule as s\n"
+                    "print(jitbatch.compiled_modules(), s.EDITED, s.__file__)")
     assert r.returncode == 0, r.stderr
     assert re.search(r"jitbatch: [^\n]*jitbatch/schedule\.py[^\n]* changed since", r.stderr)
     assert "pip install -e ." in r.stderr
@@ -78,12 +84,8 @@ def test_pure_python_sources_pass_the_behavioural_suites():
 @needs_build
 def test_an_edited_pxd_makes_its_build_stale(tmp_path):
     # a .pxd gives compiled code its C layouts: a build from an older one is stale
-    shutil.copytree(os.path.join(ROOT, "jitbatch"), tmp_path / "jitbatch")
-    edited = tmp_path / "jitbatch" / "graph.pxd"
-    edited.write_text(edited.read_text() + "\n# edited\n")
-    r = _run("import warnings; warnings.simplefilter('always')\n"
-             "import jitbatch\nprint(jitbatch.compiled_modules())", cwd=str(tmp_path),
-             env={"PYTHONPATH": str(tmp_path), "JITBATCH_PURE": ""})
+    r = _run_edited(tmp_path, "graph.pxd", "\n# edited\n",
+                    "import jitbatch\nprint(jitbatch.compiled_modules())")
     assert r.returncode == 0, r.stderr
     assert re.search(r"jitbatch: [^\n]*jitbatch/graph\.py[^\n]* changed since", r.stderr)
     assert r.stdout.strip() == "[]"

@@ -155,8 +155,15 @@ cdef extern from *:
         return jb_invoke(op, srcs, 2, keys, vals);
     }
 
-    static PyObject *jb_writable(PyObject *arr) {
-        return PyObject_GetAttrString(arr, "writable");
+    /* the view a C-API call made of arr (its result ret, the new handle out):
+       an NDArray as writable as arr */
+    static PyObject *jb_view_of(PyObject *arr, int ret, void *out) {
+        if (ret != 0) return jb_fail(ret);
+        PyObject *w = PyObject_GetAttrString(arr, "writable");
+        if (w == NULL) return NULL;
+        PyObject *r = jb_wrap(out, w);
+        Py_DECREF(w);
+        return r;
     }
 
     /* rows [a, b) of arr, a view (MXNDArraySlice) */
@@ -165,12 +172,7 @@ cdef extern from *:
         if (h == NULL) return NULL;
         void *out = NULL;
         int ret = jb_mx_slice(h, (uint32_t)a, (uint32_t)b, &out);
-        if (ret != 0) return jb_fail(ret);
-        PyObject *w = jb_writable(arr);
-        if (w == NULL) return NULL;
-        PyObject *r = jb_wrap(out, w);
-        Py_DECREF(w);
-        return r;
+        return jb_view_of(arr, ret, out);
     }
 
     /* arr re-viewed as shape (a tuple of ints, same size) */
@@ -187,38 +189,26 @@ cdef extern from *:
         if (h == NULL) return NULL;
         void *out = NULL;
         int ret = jb_mx_reshape(h, (int)n, dims, 0, &out);
-        if (ret != 0) return jb_fail(ret);
-        PyObject *w = jb_writable(arr);
-        if (w == NULL) return NULL;
-        PyObject *r = jb_wrap(out, w);
-        Py_DECREF(w);
-        return r;
+        return jb_view_of(arr, ret, out);
     }
 
     /* shape of the array with C handle h (None for an unknown shape) */
     static PyObject *jb_shape_of(void *h) {
         int ndim = 0, ret;
-        PyObject *t;
-        if (jb_mx_shape64 != NULL) {
-            const int64_t *d = NULL;
-            ret = jb_mx_shape64(h, &ndim, &d);
-            if (ret != 0) return jb_fail(ret);
-            if (ndim == -1) Py_RETURN_NONE;
-            t = PyTuple_New(ndim);
-            for (int i = 0; t != NULL && i < ndim; i++)
-                PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(d[i]));
-        } else {
-            const int *d = NULL;
-            ret = jb_mx_shape32(h, &ndim, &d);
-            if (ret != 0) return jb_fail(ret);
-            if (ndim == -1) Py_RETURN_NONE;
-            t = PyTuple_New(ndim);
-            for (int i = 0; t != NULL && i < ndim; i++)
-                PyTuple_SET_ITEM(t, i, PyLong_FromLong(d[i]));
+        const int64_t *d64 = NULL;
+        const int *d32 = NULL;
+        PyObject *t, *v;
+        ret = jb_mx_shape64 != NULL ? jb_mx_shape64(h, &ndim, &d64)
+                                    : jb_mx_shape32(h, &ndim, &d32);
+        if (ret != 0) return jb_fail(ret);
+        if (ndim == -1) Py_RETURN_NONE;
+        t = PyTuple_New(ndim);
+        if (t == NULL) return NULL;
+        for (int i = 0; i < ndim; i++) {
+            v = PyLong_FromLongLong(d64 != NULL ? d64[i] : (long long)d32[i]);
+            if (v == NULL) { Py_DECREF(t); return NULL; }
+            PyTuple_SET_ITEM(t, i, v);
         }
-        if (t != NULL)
-            for (int i = 0; i < ndim; i++)
-                if (PyTuple_GET_ITEM(t, i) == NULL) { Py_DECREF(t); return NULL; }
         return t;
     }
 
