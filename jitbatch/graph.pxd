@@ -26,7 +26,7 @@ cdef class Group:
 cdef class Graph:
     cdef public list nodes
     cdef public object thread, policy, budget, granularity
-    cdef public Py_ssize_t seq, passthrough, quiet, limit
+    cdef public Py_ssize_t seq, passthrough, quiet, limit, scope
     cdef public bint executing
     cdef public list retired, kept, kept_before
     cdef public object autograd

@@ -732,3 +732,38 @@ def test_unmergeable_chain_runs_eagerly_in_growing_windows():
     assert g.passthrough == 80 and g.quiet == 1
     net.hybridize(dynamic_batch=True)
     assert g.passthrough == 0 and g.quiet == 0
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential", "auto"])
+def test_a_per_sample_loss_merges_its_label_arithmetic(policy):
+    # KLDivLoss computes label * (log(label + 1e-12) - pred): with pred lazy and
+    # the label concrete, the label's two operators are recorded too (inside an
+    # unflagged block run on lazy arguments) and merge like the rest; outputs
+    # and gradients stay those of plain Gluon
+    net = nn.Dense(5, in_units=3)
+    net.initialize()
+    loss = gluon.loss.KLDivLoss(from_logits=True)
+    rng = np.random.default_rng(3)
+    xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(6)]
+    ys = [nd.softmax(nd.array(rng.normal(size=(1, 5)))) for _ in range(6)]
+
+    def step(flag):
+        if flag:
+            net.hybridize(dynamic_batch=True, policy=policy)
+        else:
+            net.hybridize(active=False)
+        net.weight.zero_grad()
+        jitbatch.reset_stats()
+        with autograd.record():
+            total = nd.add_n(*[loss(nd.log_softmax(net(x)), y) for x, y in zip(xs, ys)])
+        total.backward()
+        return total.asnumpy(), net.weight.grad().asnumpy().copy(), jitbatch.stats()
+
+    want, want_grad, _ = step(False)
+    got, grad, st = step(True)
+    assert np.allclose(got, want, rtol=1e-5) and np.allclose(grad, want_grad, rtol=1e-5)
+    # per sample: dense, log_softmax, label + 1e-12, log, minus, mul, mean; then add_n
+    assert st["nodes"] == 6 * 7 + 1
+    assert st["launches"] == (st["nodes"] if policy == "sequential" else 8)
+    # outside such a block, concrete arithmetic stays eager
+    assert type(ys[0] + 1e-12) is nd.NDArray and type(nd.log(ys[0])) is nd.NDArray

@@ -21,4 +21,4 @@ cpdef _padsize(tuple key, pads)
 # module dicts read on every record (typed: C dict calls, no method lookups)
 cdef dict _EXACT, _FLAT, _FLAT_IN, _skip_file, _concrete_meta, _STACK_BUILD
 cdef list _LAST_CONCRETE
-cdef Py_ssize_t _MODE_GEN
+cdef Py_ssize_t _MODE_GEN, _SCOPES

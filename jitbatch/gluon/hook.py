@@ -312,6 +312,12 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
         if type(a) is LazyArray:
             break
     else:
+        if _SCOPES and ndargs and out is None and not is_np_op:
+            # concrete arguments inside an unflagged block run on lazy ones (a
+            # per-sample loss's label arithmetic): recorded too, so they merge
+            g: Graph = current_graph()
+            if g.scope and not g.executing:
+                return _record_op(g, handle, ndargs, keys, vals, output_is_list)
         return _orig_invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
     if out is not None or is_np_op:
         if out is not None:  # an in-place write: the target becomes a concrete array
@@ -846,8 +852,16 @@ def _padded_key(self, pad, fmt, mc, mode, fkey):
     return ("pad", id(self), self._jb_token, fkey, tuple(pmc), mode)
 
 
+_SCOPES = 0   # unflagged blocks running on lazy arguments, all threads (see _forward)
+
+
 def _forward(self, x, *args):
-    if self._jb_cfg is not None and self._active:
+    if self._jb_cfg is None:
+        if not self._active and not isinstance(x, Symbol) and \
+                (type(x) is LazyArray or any(type(a) is LazyArray for a in args)):
+            return _scoped_forward(self, x, args)
+        return _orig_forward(self, x, *args)
+    if self._active:
         if isinstance(x, Symbol):
             return _orig_forward(self, x, *args)
         g: Graph = current_graph()
@@ -860,6 +874,24 @@ def _forward(self, x, *args):
             if res is not None:
                 return res
     return _orig_forward(self, x, *args)
+
+
+def _scoped_forward(self, x, args):
+    """An unflagged, unhybridized block called on lazy arrays (a loss on a
+    sample's output): its operators on concrete arguments only (the label's
+    ``log(label + 1e-12)`` of ``KLDivLoss``) are recorded as well while it runs,
+    so that they merge across samples instead of running once per sample."""
+    global _SCOPES
+    g: Graph = current_graph()
+    if g.executing:
+        return _orig_forward(self, x, *args)
+    g.scope += 1
+    _SCOPES += 1
+    try:
+        return _orig_forward(self, x, *args)
+    finally:
+        g.scope -= 1
+        _SCOPES -= 1
 
 
 def _call(self, *args):
