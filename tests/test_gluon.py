@@ -767,3 +767,28 @@ def test_a_per_sample_loss_merges_its_label_arithmetic(policy):
     assert st["launches"] == (st["nodes"] if policy == "sequential" else 8)
     # outside such a block, concrete arithmetic stays eager
     assert type(ys[0] + 1e-12) is nd.NDArray and type(nd.log(ys[0])) is nd.NDArray
+
+
+def test_a_failing_loss_leaves_concrete_operators_eager_again():
+    # an exception inside an unflagged block run on lazy arrays ends its scope:
+    # concrete arithmetic afterwards runs at once, and the next batch is right
+    from jitbatch.graph import current_graph
+
+    class Broken(gluon.HybridBlock):
+        def hybrid_forward(self, F, pred, label):
+            F.log(label + 1.0)
+            raise RuntimeError("broken loss")
+
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    x, y = nd.ones((1, 2)), nd.ones((1, 2))
+    with pytest.raises(RuntimeError, match="broken loss"):
+        Broken()(net(x), y)
+    assert current_graph().scope == 0
+    assert type(y + 1.0) is nd.NDArray
+    loss = gluon.loss.L2Loss()
+    got = loss(net(x), y)
+    assert type(got) is jitbatch.LazyArray
+    net.hybridize(active=False)
+    assert np.allclose(got.asnumpy(), loss(net(x), y).asnumpy(), rtol=1e-6)
