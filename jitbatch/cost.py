@@ -26,7 +26,6 @@ analysis, is always allowed). The agenda is predicted to save, per launch it
 merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
 analysis."""
-import math
 import threading
 import time
 

@@ -28,7 +28,7 @@ from mxnet.symbol import Symbol
 from .. import config as _config
 from .. import cost
 from ..errors import BatchingError, FlagError
-from ..graph import Composite, Graph, Node, current_graph
+from ..graph import Composite, Graph, current_graph
 from ..schedule import POLICIES
 from ..signature import SignatureTable
 from ..stats import STATS
