@@ -792,3 +792,39 @@ def test_a_failing_loss_leaves_concrete_operators_eager_again():
     assert type(got) is jitbatch.LazyArray
     net.hybridize(active=False)
     assert np.allclose(got.asnumpy(), loss(net(x), y).asnumpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential", "auto"])
+def test_a_hybridized_loss_on_lazy_outputs_merges_instead_of_flushing(policy):
+    # loss.hybridize() is common; its cached graph would read (so compute) the
+    # lazy prediction in every sample's call, one flush per sample. It runs
+    # operator by operator instead: one flush, each operator merged
+    net = nn.Dense(5, in_units=3)
+    net.initialize()
+    loss = gluon.loss.L2Loss()
+    loss.hybridize()
+    rng = np.random.default_rng(5)
+    xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(6)]
+    ys = [nd.array(rng.normal(size=(1, 5))) for _ in range(6)]
+
+    def step(flag):
+        if flag:
+            net.hybridize(dynamic_batch=True, policy=policy)
+        else:
+            net.hybridize(active=False)
+        net.weight.zero_grad()
+        jitbatch.reset_stats()
+        with autograd.record():
+            total = nd.add_n(*[loss(net(x), y) for x, y in zip(xs, ys)])
+        total.backward()
+        return total.asnumpy(), net.weight.grad().asnumpy().copy(), jitbatch.stats()
+
+    want, want_grad, _ = step(False)
+    got, grad, st = step(True)
+    assert np.allclose(got, want, rtol=1e-5) and np.allclose(grad, want_grad, rtol=1e-5)
+    per_sample = (st["nodes"] - 1) // 6       # the dense call and the loss's operators
+    assert st["nodes"] == 6 * per_sample + 1 and per_sample >= 4
+    assert st["flushes"] == 1
+    assert st["launches"] == (st["nodes"] if policy == "sequential" else per_sample + 1)
+    assert loss._active                        # still hybridized afterwards
+    assert type(loss(nd.ones((1, 5)), nd.ones((1, 5)))) is nd.NDArray   # concrete: its graph

@@ -857,8 +857,8 @@ _SCOPES = 0   # unflagged blocks running on lazy arguments, all threads (see _fo
 
 def _forward(self, x, *args):
     if self._jb_cfg is None:
-        if not self._active and not isinstance(x, Symbol) and \
-                (type(x) is LazyArray or any(type(a) is LazyArray for a in args)):
+        if (type(x) is LazyArray or any(type(a) is LazyArray for a in args)) and \
+                not any(isinstance(a, Symbol) for a in args):
             return _scoped_forward(self, x, args)
         return _orig_forward(self, x, *args)
     if self._active:
@@ -877,19 +877,26 @@ def _forward(self, x, *args):
 
 
 def _scoped_forward(self, x, args):
-    """An unflagged, unhybridized block called on lazy arrays (a loss on a
-    sample's output): its operators on concrete arguments only (the label's
-    ``log(label + 1e-12)`` of ``KLDivLoss``) are recorded as well while it runs,
-    so that they merge across samples instead of running once per sample."""
+    """An unflagged block called on lazy arrays (a loss on a sample's output)
+    runs operator by operator, so that its operators are recorded and merge
+    across samples: its operators on concrete arguments only (the label's
+    ``log(label + 1e-12)`` of ``KLDivLoss``) are recorded as well while it runs.
+    A hybridized one (``loss.hybridize()``) runs so too: its cached graph would
+    read, and so compute, its lazy arguments in every sample's call."""
     global _SCOPES
     g: Graph = current_graph()
     if g.executing:
         return _orig_forward(self, x, *args)
+    active = self._active
     g.scope += 1
     _SCOPES += 1
     try:
+        if active:
+            self._active = False
         return _orig_forward(self, x, *args)
     finally:
+        if active:
+            self._active = True
         g.scope -= 1
         _SCOPES -= 1
 
