@@ -734,18 +734,15 @@ def test_unmergeable_chain_runs_eagerly_in_growing_windows():
     assert g.passthrough == 0 and g.quiet == 0
 
 
-@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential", "auto"])
-def test_a_per_sample_loss_merges_its_label_arithmetic(policy):
-    # KLDivLoss computes label * (log(label + 1e-12) - pred): with pred lazy and
-    # the label concrete, the label's two operators are recorded too (inside an
-    # unflagged block run on lazy arguments) and merge like the rest; outputs
-    # and gradients stay those of plain Gluon
+def _loss_minibatch(loss, labels, policy, head=lambda y: y):
+    """Six samples through a Dense layer and ``loss`` (per sample, labels
+    concrete), plain and then batched under ``policy``: (plain total and weight
+    gradient), (batched total, gradient, stats), the labels."""
     net = nn.Dense(5, in_units=3)
     net.initialize()
-    loss = gluon.loss.KLDivLoss(from_logits=True)
     rng = np.random.default_rng(3)
     xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(6)]
-    ys = [nd.softmax(nd.array(rng.normal(size=(1, 5)))) for _ in range(6)]
+    ys = [labels(nd.array(rng.normal(size=(1, 5)))) for _ in range(6)]
 
     def step(flag):
         if flag:
@@ -755,12 +752,21 @@ def test_a_per_sample_loss_merges_its_label_arithmetic(policy):
         net.weight.zero_grad()
         jitbatch.reset_stats()
         with autograd.record():
-            total = nd.add_n(*[loss(nd.log_softmax(net(x)), y) for x, y in zip(xs, ys)])
+            total = nd.add_n(*[loss(head(net(x)), y) for x, y in zip(xs, ys)])
         total.backward()
         return total.asnumpy(), net.weight.grad().asnumpy().copy(), jitbatch.stats()
 
-    want, want_grad, _ = step(False)
-    got, grad, st = step(True)
+    return step(False)[:2], step(True), ys
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential", "auto"])
+def test_a_per_sample_loss_merges_its_label_arithmetic(policy):
+    # KLDivLoss computes label * (log(label + 1e-12) - pred): with pred lazy and
+    # the label concrete, the label's two operators are recorded too (inside an
+    # unflagged block run on lazy arguments) and merge like the rest; outputs
+    # and gradients stay those of plain Gluon
+    (want, want_grad), (got, grad, st), ys = _loss_minibatch(
+        gluon.loss.KLDivLoss(from_logits=True), nd.softmax, policy, head=nd.log_softmax)
     assert np.allclose(got, want, rtol=1e-5) and np.allclose(grad, want_grad, rtol=1e-5)
     # per sample: dense, log_softmax, label + 1e-12, log, minus, mul, mean; then add_n
     assert st["nodes"] == 6 * 7 + 1
@@ -799,28 +805,9 @@ def test_a_hybridized_loss_on_lazy_outputs_merges_instead_of_flushing(policy):
     # loss.hybridize() is common; its cached graph would read (so compute) the
     # lazy prediction in every sample's call, one flush per sample. It runs
     # operator by operator instead: one flush, each operator merged
-    net = nn.Dense(5, in_units=3)
-    net.initialize()
     loss = gluon.loss.L2Loss()
     loss.hybridize()
-    rng = np.random.default_rng(5)
-    xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(6)]
-    ys = [nd.array(rng.normal(size=(1, 5))) for _ in range(6)]
-
-    def step(flag):
-        if flag:
-            net.hybridize(dynamic_batch=True, policy=policy)
-        else:
-            net.hybridize(active=False)
-        net.weight.zero_grad()
-        jitbatch.reset_stats()
-        with autograd.record():
-            total = nd.add_n(*[loss(net(x), y) for x, y in zip(xs, ys)])
-        total.backward()
-        return total.asnumpy(), net.weight.grad().asnumpy().copy(), jitbatch.stats()
-
-    want, want_grad, _ = step(False)
-    got, grad, st = step(True)
+    (want, want_grad), (got, grad, st), _ = _loss_minibatch(loss, lambda y: y, policy)
     assert np.allclose(got, want, rtol=1e-5) and np.allclose(grad, want_grad, rtol=1e-5)
     per_sample = (st["nodes"] - 1) // 6       # the dense call and the loss's operators
     assert st["nodes"] == 6 * per_sample + 1 and per_sample >= 4
