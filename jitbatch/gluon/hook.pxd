@@ -3,14 +3,16 @@
 # makes its nodes and lazy results without a Python call per field.
 from jitbatch.graph cimport Node, Composite, Graph
 from jitbatch.signature cimport SigInfo
-from jitbatch.gluon._lazy cimport LazyArray, jb_new_lazy
+from jitbatch.gluon._lazy cimport LazyArray
+from jitbatch.gluon.backend cimport new_lazy
 
 
 cdef class Site:
     cdef public object code, lasti
 
 
-cdef object _lazy(object node, object k, object shape, object dtype, object ctx, object view)
+cpdef _maybe_autoflush(g)
+cdef bint _any_lazy(x, tuple args)
 cpdef _meta(a)
 cpdef _mode(g)
 cpdef _skip(f)

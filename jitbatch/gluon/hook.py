@@ -33,6 +33,7 @@ from ..schedule import POLICIES
 from ..signature import SignatureTable
 from ..stats import STATS
 from . import backend, rewrite
+from .backend import new_lazy
 if not cython.compiled:
     # compiled, the name is LazyArray's C layout (_lazy.pxd, imported from .array)
     from .array import LazyArray
@@ -76,13 +77,6 @@ def _np_array():
     """``mxnet.util.is_np_array()`` (read on every block call) without its Python frame."""
     cur = getattr(_NP_STATE, "value", None)
     return cur is not None and cur._is_np_array
-
-
-def _lazy(node, k, shape, dtype, ctx, view):
-    """A new LazyArray (see backend.new_lazy)."""
-    if cython.compiled:
-        return jb_new_lazy(LazyArray, node, k, shape, dtype, ctx, view)
-    return LazyArray(node, k, shape, dtype, ctx, view)
 
 
 _IS_REC = _LIB.MXAutogradIsRecording
@@ -295,14 +289,12 @@ def _limit(policy, mode):
 
 
 def _maybe_autoflush(g):
-    if len(g.nodes) >= g.limit:
-        _autoflush(g)
-
-
-def _autoflush(g):
-    """The pending graph reached its size limit: run it (a pipelined chunk, or
+    """Run the pending graph if it reached its size limit (a pipelined chunk, or
     the ``max_pending`` bound)."""
-    backend.flush_graph(g, reason="limit" if g.limit >= _config.max_pending else "pipeline")
+    gr: Graph = g
+    if len(gr.nodes) >= gr.limit:
+        backend.flush_graph(gr, reason="limit" if gr.limit >= _config.max_pending
+                            else "pipeline")
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,7 +375,7 @@ def _rows_composite(kind, handle, ndargs, keys, vals):
         if dim != 0 or any(m[0][1:] != rest for m in mc):
             return None
         shape = (sum(m[0][0] for m in mc),) + rest
-    return _lazy(Composite(tuple(ndargs), (handle, keys, vals), _mode(current_graph())), 0,
+    return new_lazy(Composite(tuple(ndargs), (handle, keys, vals), _mode(current_graph())), 0,
                  shape, d0, c0, None)
 
 
@@ -421,7 +413,7 @@ def _stack(*data, **kwargs):
                     g: Graph = current_graph()
                     if not g.executing:
                         n = len(data)
-                        return _lazy(Composite(data, _stack_build(n), _mode(g)), 0,
+                        return new_lazy(Composite(data, _stack_build(n), _mode(g)), 0,
                                      (1, n) + s0[1:], d0, c0, None)
     if data and (not kwargs or kwargs.keys() <= {"axis"}):
         for a in data:
@@ -471,7 +463,7 @@ def _record_op(g, handle, ndargs, keys, vals, output_is_list):
     if not g.nodes:
         g.limit = _limit(g.policy or "auto", mode)
     node = g.add(info, tuple(ndargs), _site(), mode)
-    outs = [_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]
+    outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]
     _maybe_autoflush(g)
     if len(outs) == 1 and not output_is_list:
         return outs[0]
@@ -786,15 +778,14 @@ def _record_block(self, g, x, args, frame):
     out_meta = si.out_meta
     if out_meta and out_meta[0][0][0] is None:
         node = g.add(info, tuple(flat), site, mode, lead)
-        outs = [_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
+        outs = [new_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
                 for k, m in enumerate(out_meta)]
     else:
         node = g.add(info, tuple(flat), site, mode)
         if si.pad_axes is not None:
             node.pad = _padsize(key, si.pad_axes)
-        outs = [_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(out_meta)]
-    if len(g.nodes) >= g.limit:
-        _autoflush(g)
+        outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(out_meta)]
+    _maybe_autoflush(g)
     fmt = self._out_format  # pylint: disable=protected-access
     if fmt == _FLAT.get(len(outs)):
         return outs if len(outs) > 1 else outs[0]
@@ -855,18 +846,26 @@ def _padded_key(self, pad, fmt, mc, mode, fkey):
 _SCOPES = 0   # unflagged blocks running on lazy arguments, all threads (see _forward)
 
 
+def _any_lazy(x, args):
+    """Whether a block call's first argument or any other is a lazy array."""
+    if type(x) is LazyArray:
+        return True
+    for a in args:
+        if type(a) is LazyArray:
+            return True
+    return False
+
+
 def _forward(self, x, *args):
     if self._jb_cfg is None:
-        if (type(x) is LazyArray or any(type(a) is LazyArray for a in args)) and \
-                not any(isinstance(a, Symbol) for a in args):
+        if _any_lazy(x, args) and not any(isinstance(a, Symbol) for a in args):
             return _scoped_forward(self, x, args)
         return _orig_forward(self, x, *args)
     if self._active:
         if isinstance(x, Symbol):
             return _orig_forward(self, x, *args)
         g: Graph = current_graph()
-        if g.passthrough and not g.nodes and type(x) is not LazyArray and \
-                not any(type(a) is LazyArray for a in args):
+        if g.passthrough and not g.nodes and not _any_lazy(x, args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
             return _orig_forward(self, x, *args)
         if not g.executing:
