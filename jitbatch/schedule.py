@@ -156,6 +156,17 @@ def split_padded(batch, fixed, per_unit):
     return out, [ks[j - 1] for _, j in reversed(runs)]
 
 
+def bucket(n, steps):
+    """The launch size ``n`` samples are rounded up to: ``n`` itself up to
+    ``2 * steps``, above that the next of ``steps`` evenly spaced sizes per
+    doubling (16: sizes 34, 36, ... 64, 68, ... 128, 136, ...), so at most
+    ``1 / steps`` more samples. ``steps`` 0 or None: ``n``."""
+    if not steps or n <= 2 * steps:
+        return n
+    q = 1 << (n.bit_length() - steps.bit_length())
+    return -(-n // q) * q
+
+
 def sequential(nodes):
     """One launch per node in record order: what per-sample execution does, with
     no analysis at all (the choice when nothing can be merged)."""

@@ -21,7 +21,9 @@ from mxnet.ndarray import NDArray
 from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register as _register
 
+from .. import config as _config
 from .. import execute
+from ..schedule import bucket
 from ..graph import Composite, Node
 from ..errors import StaleValueError
 from ..stats import STATS
@@ -669,10 +671,12 @@ def prepare(batches):
     index = {}      # context -> index list
     sizes = {}
     planned = []
-    gathers = 0
+    gathers = fillers = 0
+    steps = _config.row_buckets
     first: Node
     n: Node
     info: SigInfo
+    g: Group
     for batch in batches:
         first = batch[0]
         info = first.info
@@ -681,6 +685,21 @@ def prepare(batches):
         ex = info.op
         lst = index.setdefault(ex.ctx, [])
         cols = list(zip(*[n.inputs for n in batch]))   # per argument: its values
+        if steps and ex.rounds:
+            # a block launch runs a size already seen (see config.row_buckets):
+            # filler samples, copies of the first, whose outputs nobody reads;
+            # ragged launches only where every sample has the same rows
+            m = len(batch)
+            g = first.group
+            r = first.rows
+            if r is None or g.rows == m * r:
+                extra = bucket(m, steps) - m
+                if extra:
+                    cols = [c + (c[0],) * extra for c in cols]
+                    g.size = m + extra
+                    if r is not None:
+                        g.rows = g.size * r
+                    fillers += extra
         pad = ex.pad
         in_meta = ex.in_meta
         plans = []
@@ -697,7 +716,7 @@ def prepare(batches):
     arrays = {ctx: _index_array(lst, ctx) for ctx, lst in index.items() if lst}
     for first in planned:
         first.plan = (first.plan, arrays.get(first.info.op.ctx))
-    STATS.add(gather_ops=gathers)
+    STATS.add(gather_ops=gathers, filler_samples=fillers)
 
 
 def _twin_plan(cols, plans, j, in_meta, pad, axis):

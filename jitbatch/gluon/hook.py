@@ -497,6 +497,7 @@ class BlockExec(object):
     """Runs the nodes of one block signature as one call of the block's CachedOp."""
     __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
                  "stages")
+    rounds = True   # launch sizes rounded up (config.row_buckets, backend.prepare)
 
     def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None):
         self.block = block
@@ -510,7 +511,7 @@ class BlockExec(object):
         self.stages = None  # its input-stage plan: None until looked for, False: none
 
     def launch(self, batch):
-        n = len(batch)
+        n = batch[0].group.size     # with filler samples (config.row_buckets)
         with self.ctx, backend.mode_scope(self.mode):
             it = iter(backend.gather_batch(batch))
             flat = [None if f == -1 else next(it) for f in _leaves(self.fmt)]

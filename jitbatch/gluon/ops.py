@@ -185,6 +185,7 @@ class OpExec(object):
                  "in_meta", "out_meta", "ctx", "mode", "invoke", "checked")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see gluon/stages.py)
+    rounds = False  # launch sizes exact (config.row_buckets: block launches only)
 
     def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx,
                  mode, invoke):
