@@ -64,9 +64,12 @@ class Pipe(object):
     kept, and a neighbour not measured yet is tried while the current count is
     the one kept (one more chunk first): more chunks are tried only while
     each step paid. Every :data:`PIPE_REPROBE` cycles the other counts'
-    measurements are dropped, so they are measured again as things change. A cycle with a calibrating
-    flush (it waits for every launch) or one that did not start here (the
-    chunk size is asked for at a graph's first record) is not measured.
+    measurements are dropped, so they are measured again as things change.
+    Not measured: a cycle with a calibrating flush (it waits for every
+    launch), one that did not start here (the chunk size is asked for at a
+    graph's first record), and the first cycle after the count changed (its
+    launches have sizes not run before, whose kernels the framework prepares
+    on first use: measured, that made a better count look worse).
 
     Also kept: the mean nodes per graph (between reads: ``graph``) and
     launches per flush (``launches``), the current graph's nodes so far
@@ -350,9 +353,13 @@ class Model(object):
                 if p.cycles % PIPE_REPROBE == 0:
                     p.times = {p.chunks: ts}
             p.last = None
-            p.chunks = p.choose()
+            c = p.choose()
             p.start = now
-            p.valid = True
+            # the first cycle with another count runs launches of sizes not run
+            # before, whose kernels the framework prepares then (oneDNN: per
+            # shape): it is not measured
+            p.valid = c == p.chunks
+            p.chunks = c
         return p.size()
 
     def pipe_of(self, mode):

@@ -89,10 +89,16 @@ class _Clock(object):
         return self.now
 
 
-def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False):
+def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False, cold=0.0):
     """One graph between reads: its first record asks the chunk size, it takes
-    ``us_per_node`` per node, a read ends it. Returns the chunk size used."""
+    ``us_per_node`` per node (``cold`` more when its chunk count differs from
+    the last cycle's: new launch sizes), a read ends it. Returns the chunk size
+    used."""
+    p = m.pipe_of(mode)
+    before = p.chunks if p is not None else 1
     size = m.pipeline_limit(mode)
+    if m.pipe_of(mode).chunks != before:
+        us_per_node += cold
     clock.now += nodes * us_per_node * 1e-6
     m.observe_pipeline(mode, nodes, launches, True, calibrated)
     return size
@@ -110,13 +116,14 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     m.observe_pipeline(infer, 10000, 10, True)
     speed = {1: 30.0, 2: 20.0, 3: 25.0, 4: 40.0}    # us per node by chunk count
     used = []
-    for _ in range(14):
-        size = _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks])
+    for _ in range(16):
+        # the first cycle after a change is slow (new launch sizes): not measured
+        size = _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks], cold=100.0)
         used.append(m.pipe_of(infer).chunks)
         assert size == (None if used[-1] == 1 else -(-10000 // used[-1]))
-    # 1 chunk is measured over 3 cycles, then 2 (better), then 3 (worse than
-    # 2): back to 2, whose neighbours are both known
-    assert used == [1, 1, 1, 2, 2, 2, 3, 3, 3, 2, 2, 2, 2, 2], used
+    # 1 chunk is measured over 3 cycles, then 2 (better; a cycle to warm, 3
+    # measured), then 3 (worse than 2): back to 2, whose neighbours are both known
+    assert used == [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 2], used
     assert m.pipeline_report() == [{
         "recording": False, "training": False, "chunks": 2, "chunk_size": 5000,
         "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0}}]
@@ -129,13 +136,15 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     _cycle(m, infer, clock, 10000, 20.0)
     assert m.pipe_of(infer).times[2][-1] == pytest.approx(20e-6) and \
         len(m.pipe_of(infer).times[2]) == min(n + 1, cost.PIPE_KEEP)
-    # every PIPE_REPROBE cycles the other counts are measured again: 3, then
-    # (still worse) back to 2, then 1
+    # every PIPE_REPROBE cycles the other counts are measured again: 3 (its
+    # warm cycle was the last above; 3 measured), then (still worse) back to 2
+    # for a cycle, then 1 (a warm cycle, 3 measured), and 2 again
     while m.pipe_of(infer).cycles % cost.PIPE_REPROBE:
         _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks])
     assert set(m.pipe_of(infer).times) == {2} and m.pipe_of(infer).chunks == 3
-    assert [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks]),
-             m.pipe_of(infer).chunks)[1] for _ in range(4)] == [3, 3, 2, 1]
+    assert [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks], cold=100.0),
+             m.pipe_of(infer).chunks)[1] for _ in range(9)] == [3, 3, 3, 2, 1, 1, 1, 1, 2]
+    assert m.pipe_of(infer).times[3] == [pytest.approx(25e-6)] * 3
 
 
 def test_chunks_only_where_each_merges(monkeypatch):
@@ -209,5 +218,5 @@ def test_a_flat_curve_keeps_one_chunk(timed):
     m, clock, infer = timed
     speed = {1: 30.0, 2: 29.0, 3: 20.0}   # 2 is 3% faster than 1: not enough
     used = [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks]),
-             m.pipe_of(infer).chunks)[1] for _ in range(10)]
-    assert used == [1, 1, 1, 2, 2, 2, 1, 1, 1, 1], used
+             m.pipe_of(infer).chunks)[1] for _ in range(11)]
+    assert used == [1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1], used
