@@ -48,6 +48,13 @@ workload: 'auto' picks its pipelined chunk count by measuring cycles with each
 count (jitbatch.cost.Pipe), which takes ~10-20 graphs; the tables are its
 settled speed (--settle 0 times the search too).
 
+With --fresh, each round times minibatches that no earlier round timed (an
+epoch's way: minibatches whose launch shapes are new to MXNet, whose oneDNN
+kernels are prepared per shape), until the training split runs out (then it
+wraps around); without it, every round times the same minibatches, whose
+shapes are all prepared after the first round. Within a round every mode
+times the same minibatches.
+
 Before timing, every mode must give the same loss on the first training
 minibatch and the same predictions on it (rtol 1e-4); the script aborts
 otherwise. Then the modes are timed in interleaved rounds (a warm-up
@@ -124,6 +131,11 @@ def build_parser():
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS for MXNet (set before mxnet is imported)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fresh", action="store_true",
+                    help="each round times minibatches no earlier round timed (as in an "
+                         "epoch: launch shapes the framework has not prepared kernels "
+                         "for), wrapping around when the training split runs out; "
+                         "default: every round times the same minibatches")
     ap.add_argument("--json", metavar="PATH", help="save the results table as JSON")
     ap.add_argument("--dynet", metavar="PYTHON",
                     help="interpreter with DyNet installed: adds mode 'dynet' (autobatching)")
@@ -333,9 +345,11 @@ def main(argv=None, script=None):
     slow = args.slow_batches if args.slow & set(names) else 0
     most = {w: max(counts[w], slow) for w in args.workload_list}   # timed batches; then warm-up
     need = max([sizes[w] * (most[w] + 1) for w in args.workload_list] + [args.train_size])
+    if args.fresh:
+        need = max(need, 10 ** 9)       # the whole training split
     t_load = time.perf_counter()
     pairs, vocab_size = bench_core.load_pairs(bench_core.ensure_full_data(args.data), need)
-    if len(pairs) < need:
+    if len(pairs) < need and not args.fresh:
         raise SystemExit("%s has %d training pairs; these settings need %d"
                          % (args.data, len(pairs), need))
     print("loaded %d pairs (vocabulary %d) in %.1f s; OMP_NUM_THREADS=%s, "
@@ -358,6 +372,12 @@ def main(argv=None, script=None):
             for i in range(args.settle):
                 j = i % max(most[w], 1)
                 step[w](pairs[j * size:(j + 1) * size])
+    # minibatches a round may time (--fresh: all but the last, the warm-up one)
+    avail = {w: len(pairs) // sizes[w] - 1 if args.fresh else most[w] for w in sizes}
+    for w in args.workload_list:
+        if avail[w] < most[w]:
+            raise SystemExit("%s has %d training pairs; --fresh needs at least %d"
+                             % (args.data, len(pairs), sizes[w] * (most[w] + 1)))
     rates = {w: {m: [] for m in names} for w in args.workload_list}
     analysis = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
     execute = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
@@ -376,16 +396,18 @@ def main(argv=None, script=None):
                     rates[w][m].append(run_dynet(args, w, n))
                     bar.update()
                     continue
-                warm = pairs[most[w] * size:(most[w] + 1) * size]
+                warm = pairs[avail[w] * size:(avail[w] + 1) * size]
                 if m in args.slow:   # per-sample: a few pairs build every cache it has
                     warm = warm[:SLOW_WARM]
                 modes.mode(m)
                 step[w](warm)                                # warm caches for this mode
+                start = r * counts[w] if args.fresh else 0   # this round's minibatches
                 jitbatch.reset_stats()
                 c0 = time.thread_time()
                 t0 = time.perf_counter()
                 for i in range(n):
-                    step[w](pairs[i * size:(i + 1) * size])
+                    j = (start + i) % avail[w]
+                    step[w](pairs[j * size:(j + 1) * size])
                 dt = time.perf_counter() - t0
                 busy[w][m].append((time.thread_time() - c0) / dt)
                 rates[w][m].append(n * size / dt)
@@ -428,8 +450,10 @@ def main(argv=None, script=None):
         title = ("training (forward + backward + Adagrad)" if w == "train"
                  else "inference (forward, predictions read)")
         print()
-        print("%s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved rounds"
-              % (title, sizes[w], result["threads"], args.rounds))
+        print("%s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved rounds%s"
+              % (title, sizes[w], result["threads"], args.rounds,
+                 ", fresh minibatches each round (%d available)" % avail[w]
+                 if args.fresh else ""))
         print("%-15s %9s %9s %9s %9s %9s %9s %9s %8s" % (
             "mode", "pairs/s", "vs plain", "vs hand", "analysis", "execute", "release",
             "main busy", "batches"))
