@@ -3,7 +3,8 @@
 For each ``analysis_budget`` (a fraction of a flush's predicted unbatched
 execution time that the scheduler's analysis may cost; ``none`` = unbounded)
 the model runs ``net.hybridize(dynamic_batch=True, policy='auto',
-analysis_budget=B)`` training steps (minibatch --batch-size pairs, forward +
+analysis_budget=B)`` training steps, with the cell's child axis declared
+zero-paddable as in scripts/bench_tree_lstm.py's jit modes (minibatch --batch-size pairs, forward +
 backward + Adagrad, as in scripts/bench_tree_lstm.py) on the full-size
 SICK-shaped set. Budgets are timed in interleaved rounds in one process
 (median over rounds; the ratio to the unbounded budget is taken within each
@@ -66,6 +67,10 @@ def build_parser():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=3, help="timed minibatches per budget per round")
     ap.add_argument("--batch-size", type=int, default=25)
+    ap.add_argument("--settle", type=int, default=16,
+                    help="untimed minibatches under the unbounded budget before the rounds, "
+                         "so 'auto's online choices that every budget shares (the pipelined "
+                         "chunk count: jitbatch.cost.Pipe) have settled; 0: none")
     ap.add_argument("--no-hand", action="store_true", help="skip the hand-batched reference")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -162,6 +167,8 @@ def main(argv=None, script=None):
         if b == "hand":
             run.net.hybridize()
         else:
+            # as bench_tree_lstm.py's jit modes: the cell's child axis zero-paddable
+            jitbatch.zero_pad(run.net.encoder.cell, ch=1, cc=1)
             run.net.hybridize(dynamic_batch=True, policy="auto", analysis_budget=b)
 
     keys = list(range(len(budgets))) + ([] if args.no_hand else ["hand"])
@@ -171,6 +178,9 @@ def main(argv=None, script=None):
     policies = {k: {} for k in keys}
     recorded = dict.fromkeys(keys, 0)
     warm = pairs[n * size:(n + 1) * size]
+    configure(None)
+    for i in tqdm(range(args.settle), desc="settle", leave=False, file=sys.stderr):
+        run.step(pairs[(i % (n + 1)) * size:(i % (n + 1) + 1) * size])
     bar = tqdm(total=args.rounds * len(keys), desc="sweep", leave=False, file=sys.stderr)
     for r in range(args.rounds):
         for k in keys:
