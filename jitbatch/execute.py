@@ -49,7 +49,10 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     t0 = time.perf_counter()
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
     if policy == "auto":
-        chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
+        if budget == 0:
+            chosen, why = "sequential", "analysis budget 0: one launch per node, no analysis"
+        else:
+            chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
     wait = getattr(backend, "wait", None)
     calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
     stages = None
@@ -91,9 +94,14 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     # is planned instead of after it. Both steps count as analysis.
     prepare = getattr(backend, "prepare", None)
     split = _FIRST_PLANNED if len(batches) > 2 * _FIRST_PLANNED else len(batches)
+    # one node per launch (sequential) merges nothing: looking up each launch's
+    # inputs is part of running it, not analysis
+    single = chosen == "sequential"
+    t1 = time.perf_counter()
     if prepare is not None:
         prepare(batches[:split])
-    t1 = time.perf_counter()
+    if not single:
+        t1 = time.perf_counter()
     late = 0.0      # seconds planning the later launches (inside the launch loop)
     # launch times feed the cost model only from calibrating flushes, which wait
     # for each launch's kernels (asynchronous frameworks return before them)
@@ -106,7 +114,8 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
             if done == split and prepare is not None:
                 ts = clock()
                 prepare(batches[split:])
-                late = clock() - ts
+                if not single:
+                    late = clock() - ts
             ts = clock()
             backend.launch(batch)
             if calibrate:

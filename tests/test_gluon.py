@@ -264,6 +264,33 @@ def test_bad_flags_are_rejected_at_hybridize():
         net.hybridize(False, dynamic_batch=True)
 
 
+@pytest.mark.parametrize("budget, launches", [(0, 6), (0.0, 6), (None, 1)])
+def test_a_zero_analysis_budget_runs_one_launch_per_node_unanalysed(budget, launches):
+    """``analysis_budget=0``: 'auto' runs each call as its own launch without
+    looking at the graph (no depth groups, no predictions); the results are
+    those of plain Gluon, and a flush the budget kept sequential does not send
+    the next calls past recording."""
+    net = nn.Dense(3, in_units=2)
+    net.initialize()
+    xs = [nd.array([[i, 1.0 - i]]) for i in range(6)]
+    net.hybridize(active=False)
+    want = [net(x).asnumpy() for x in xs]
+    net.hybridize(dynamic_batch=True, analysis_budget=budget)
+    jitbatch.reset_stats()
+    ys = [net(x) for x in xs]
+    jitbatch.flush()
+    st = jitbatch.stats()
+    lf = st["last_flush"]
+    assert (st["nodes"], st["launches"]) == (6, launches), st
+    if launches == 6:
+        assert lf["policy"] == "sequential" and "budget 0" in lf["why"], lf
+        assert lf["predicted"] == {}, lf
+    from jitbatch.graph import current_graph
+    assert current_graph().passthrough == 0
+    for y, w in zip(ys, want):
+        np.testing.assert_allclose(y.asnumpy(), w, rtol=1e-5, atol=1e-6)
+
+
 def test_flag_reaches_all_descendants_and_turns_off():
     net = Shared()
     net.hybridize(dynamic_batch=True, policy="depth")
