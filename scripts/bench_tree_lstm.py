@@ -78,7 +78,11 @@ Every mode gets the main-thread busy fraction: the CPU time of the thread
 running the steps (time.thread_time: its Python, and MXNet calls made from it)
 divided by their wall time. MXNet's kernels run on its own worker threads, so
 near 100% means the step waits on Python (the kernels keep up), and well below
-means it waits on the kernels.
+means it waits on the kernels. The kernels column is the CPU time of every
+other thread of the process (MXNet's engine workers and OpenMP threads: the
+kernels, and their scheduling) over the same wall time: with one thread, near
+100% means the kernels never wait, so everything else jitbatch and the model's
+Python do costs the step at most 100% minus that.
 
 Threads: OpenMP (hence MXNet) reads OMP_NUM_THREADS only once, when the MXNet
 library is loaded by ``import mxnet``; setting it afterwards has no effect.
@@ -383,6 +387,7 @@ def main(argv=None, script=None):
     execute = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
     release = {w: {m: [] for m in names if m.startswith("jit:")} for w in args.workload_list}
     busy = {w: {m: [] for m in names if m != "dynet"} for w in args.workload_list}
+    kernels = {w: {m: [] for m in names if m != "dynet"} for w in args.workload_list}
     chosen = {w: {} for w in args.workload_list}
     total = args.rounds * len(args.workload_list) * len(names)
     bar = tqdm(total=total, desc="bench", leave=False, file=sys.stderr)
@@ -404,12 +409,15 @@ def main(argv=None, script=None):
                 start = r * counts[w] if args.fresh else 0   # this round's minibatches
                 jitbatch.reset_stats()
                 c0 = time.thread_time()
+                p0 = time.process_time()
                 t0 = time.perf_counter()
                 for i in range(n):
                     j = (start + i) % avail[w]
                     step[w](pairs[j * size:(j + 1) * size])
                 dt = time.perf_counter() - t0
-                busy[w][m].append((time.thread_time() - c0) / dt)
+                main_cpu = time.thread_time() - c0
+                busy[w][m].append(main_cpu / dt)
+                kernels[w][m].append((time.process_time() - p0 - main_cpu) / dt)
                 rates[w][m].append(n * size / dt)
                 if m.startswith("jit:"):
                     st = jitbatch.stats()
@@ -445,6 +453,7 @@ def main(argv=None, script=None):
                         "execute_fraction": median(execute[w].get(m, [])),
                         "release_fraction": median(release[w].get(m, [])),
                         "main_thread_busy": median(busy[w].get(m, [])),
+                        "other_threads_busy": median(kernels[w].get(m, [])),
                         "timed_batches": args.slow_batches if m in args.slow else counts[w]}
         result["workloads"][w] = {"minibatch": sizes[w], "modes": table, "auto": chosen[w]}
         title = ("training (forward + backward + Adagrad)" if w == "train"
@@ -454,16 +463,16 @@ def main(argv=None, script=None):
               % (title, sizes[w], result["threads"], args.rounds,
                  ", fresh minibatches each round (%d available)" % avail[w]
                  if args.fresh else ""))
-        print("%-15s %9s %9s %9s %9s %9s %9s %9s %8s" % (
+        print("%-15s %9s %9s %9s %9s %9s %9s %9s %9s %8s" % (
             "mode", "pairs/s", "vs plain", "vs hand", "analysis", "execute", "release",
-            "main busy", "batches"))
+            "main busy", "kernels", "batches"))
         for m in names:
             row = table[m]
-            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %8d" % (
+            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %9s %8d" % (
                 m, row["pairs_per_s"], times(row["vs_plain"]), times(row["vs_hand"]),
                 percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
                 percent(row["release_fraction"]), percent(row["main_thread_busy"]),
-                row["timed_batches"]))
+                percent(row["other_threads_busy"]), row["timed_batches"]))
         if "jit:auto" in names and not chosen[w].get("flush_policies"):
             print("jit:auto: no timed flush: its calls ran eagerly (passthrough after a "
                   "flush that merged nothing)")

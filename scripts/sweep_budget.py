@@ -9,7 +9,11 @@ backward + Adagrad, as in scripts/bench_tree_lstm.py) on the full-size
 SICK-shaped set. Budgets are timed in interleaved rounds in one process
 (median over rounds; the ratio to the unbounded budget is taken within each
 round). Prints, per budget: pairs/s, analysis seconds per step, the analysis
-fraction (analysis seconds / step time) and which policies 'auto' ran; the
+fraction (analysis seconds / step time), the budget in seconds per flush (the
+budget times the flush's predicted unbatched execution time, from
+``jitbatch.stats()['last_flush']``) with "ok" when every timed run's measured
+analysis per flush stayed within it ("OVER" otherwise), and which policies
+'auto' ran; the
 hand level-by-level batched model is timed alongside as a reference. Saves a
 plot of throughput and analysis fraction against the budget (log x axis; 0
 and unbounded drawn at the ends) to --out.
@@ -32,7 +36,7 @@ sys.path.insert(0, HERE)
 
 from bench_tree_lstm import imports, set_threads  # noqa: E402  (no mxnet import yet)
 
-DEFAULT_BUDGETS = "0,0.01,0.03,0.1,0.3,1,none"
+DEFAULT_BUDGETS = "0,0.001,0.003,0.01,0.03,0.1,1,none"
 SHORT = {"sequential": "seq"}
 
 
@@ -177,6 +181,8 @@ def main(argv=None, script=None):
     frac = {k: [] for k in keys}
     policies = {k: {} for k in keys}
     recorded = dict.fromkeys(keys, 0)
+    allowed = {k: [] for k in keys}     # per timed run: the last flush's budget in seconds
+    per_flush = {k: [] for k in keys}   # and the measured analysis seconds per flush
     warm = pairs[n * size:(n + 1) * size]
     configure(None)
     for i in tqdm(range(args.settle), desc="settle", leave=False, file=sys.stderr):
@@ -195,6 +201,11 @@ def main(argv=None, script=None):
                 step(pairs[i * size:(i + 1) * size])
             dt = time.perf_counter() - t0
             st = jitbatch.stats()
+            pred = st["last_flush"].get("predicted") or {}
+            if k != "hand" and b is not None and "sequential" in pred and st["flushes"]:
+                # the budget in seconds: b x the flush's predicted unbatched execution
+                allowed[k].append(b * pred["sequential"]["execute"])
+                per_flush[k].append(st["analysis_seconds"] / st["flushes"])
             rates[k].append(n * size / dt)
             per_step[k].append(st["analysis_seconds"] / n)
             frac[k].append(st["analysis_seconds"] / dt)
@@ -209,8 +220,9 @@ def main(argv=None, script=None):
     print("jitbatch policy='auto', Tree-LSTM training, minibatch %d pairs, OMP_NUM_THREADS=%s, "
           "median of %d interleaved rounds x %d minibatches"
           % (size, os.environ.get("OMP_NUM_THREADS"), args.rounds, n))
-    print("%-9s %9s %11s %12s %9s  %s" % ("budget", "pairs/s", "vs " + label(budgets[ref]),
-                                         "analysis/step", "analysis", "auto ran (flushes)"))
+    print("%-9s %9s %11s %12s %9s %15s  %s" % (
+        "budget", "pairs/s", "vs " + label(budgets[ref]), "analysis/step", "analysis",
+        "allowed/flush", "auto ran (flushes)"))
     for k in range(len(budgets)):
         pol = policies[k]
         # no flush at all: after a flush that merged nothing, 'auto' runs the
@@ -222,11 +234,20 @@ def main(argv=None, script=None):
                "vs_ref": statistics.median(a / b for a, b in zip(rates[k], rates[ref])),
                "analysis_s_per_step": statistics.median(per_step[k]),
                "analysis_fraction": statistics.median(frac[k]),
-               "policies": pol, "chose": main_pol, "recorded_nodes": recorded[k]}
+               "policies": pol, "chose": main_pol, "recorded_nodes": recorded[k],
+               "allowed_s_per_flush": statistics.median(allowed[k]) if allowed[k] else None,
+               "within_budget": all(a <= w for a, w in zip(per_flush[k], allowed[k]))}
         rows.append(row)
-        print("%-9s %9.1f %10.2fx %11.2f ms %8.1f%%  %s"
+        if budgets[k] == 0:
+            within = "0 (none run)"     # 'auto' runs one launch per node unanalysed
+        elif row["allowed_s_per_flush"] is None:
+            within = "-"
+        else:
+            within = "%.2f ms %s" % (1e3 * row["allowed_s_per_flush"],
+                                     "ok" if row["within_budget"] else "OVER")
+        print("%-9s %9.1f %10.2fx %11.2f ms %8.1f%% %15s  %s"
               % (label(budgets[k]), row["pairs_per_s"], row["vs_ref"],
-                 1e3 * row["analysis_s_per_step"], 100 * row["analysis_fraction"],
+                 1e3 * row["analysis_s_per_step"], 100 * row["analysis_fraction"], within,
                  ", ".join("%s %d" % kv for kv in sorted(pol.items()))
                  or "no flush: all calls ran eagerly (passthrough)"))
     hand_pps = None
