@@ -19,9 +19,10 @@ measurements):
   flush that ran the agenda (depth groups are counted on every flush: O(N)).
 
 A flush predicts, for each policy, analysis + execution time, drops the
-policies whose predicted analysis exceeds ``analysis_budget`` x the predicted
-UNBATCHED execution time (one launch per node: the time batching is there to
-save), and runs the cheapest that is left (``sequential``, which needs no
+policies whose analysis at its slowest per node of their last 8 flushes
+exceeds ``analysis_budget`` x the predicted UNBATCHED execution time (one
+launch per node: the time batching is there to save; the budget is a cap, so
+the mean would let half the flushes over it), and runs the cheapest that is left (``sequential``, which needs no
 analysis, is always allowed). The agenda is predicted to save, per launch it
 merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
@@ -134,6 +135,7 @@ class Pipe(object):
 class Model(object):
     def __init__(self):
         self.analysis = {"depth": 3e-6, "agenda": 8e-6, "sequential": 1e-7}
+        self.analysis_recent = {}    # policy -> its last ANALYSIS_KEEP per-node analysis times
         self.launch = 3e-4           # mean seconds per launch, all signatures
         self.agenda_ratio = 0.7      # agenda launches / depth groups
         self._measured = set()       # which priors a measurement has replaced
@@ -163,11 +165,20 @@ class Model(object):
             key = policy + "+split" if staged else policy
             self.analysis[key] = self._update(key, self.analysis.get(key, 0.0),
                                               analysis_s / nodes)
+            recent = self.analysis_recent.setdefault(key, [])
+            recent.append(analysis_s / nodes)
+            del recent[:-ANALYSIS_KEEP]
         if launches and calibrated:
             self.launch = self._update("launch", self.launch, execute_s / launches)
         if policy == "agenda" and depth_groups:
             self.agenda_ratio = self._update("ratio", self.agenda_ratio,
                                              launches / depth_groups)
+
+    def analysis_high(self, key):
+        """Seconds per node of ``key``'s analysis at its slowest of the last
+        :data:`ANALYSIS_KEEP` flushes (the prior while none was measured)."""
+        recent = self.analysis_recent.get(key)
+        return max(recent) if recent else self.analysis[key]
 
     def launch_cost(self, info, rows=1):
         """Predicted seconds of one launch of ``info`` over ``rows`` nodes
@@ -267,8 +278,11 @@ class Model(object):
                        exec_depth - (1.0 - min(self.agenda_ratio, 1.0)) * fixed),
         }
         self.unbatched = exec_seq
-        allowed = [p for p, (a, e) in pred.items()
-                   if p == "sequential" or budget is None or a <= budget * exec_seq]
+        # the budget is a cap: a policy is allowed if its analysis stays within
+        # it even at the slowest per node of its last flushes (the mean predicts
+        # the cost; flushes vary around it)
+        allowed = [p for p in pred if p == "sequential" or budget is None
+                   or self.analysis_high(p) * n <= budget * exec_seq]
         best = min(allowed, key=lambda p: sum(pred[p]))
         if len(allowed) < len(pred):
             why = "cheapest predicted within analysis budget %g" % budget
@@ -305,7 +319,8 @@ class Model(object):
         pred = {"block": {"execute": block},
                 "split": {"execute": split, "extra_analysis": extra}}
         if budget is not None and self.unbatched is not None and \
-                an.get(key, an[policy]) * nodes > budget * self.unbatched:
+                (self.analysis_high(key) if key in an else self.analysis_high(policy)) \
+                * nodes > budget * self.unbatched:
             return False, "split analysis over budget %g" % budget, pred
         if split + extra < block:
             return True, "cheaper predicted (input stage merged across %d depths)" \
@@ -396,5 +411,7 @@ class Model(object):
         return max(base, min(base << min(streak, 8), PASSTHROUGH_CAP))
 
 
+#: flushes whose analysis per node the budget check takes the slowest of
+ANALYSIS_KEEP = 8
 PASSTHROUGH_CAP = 4096   # most calls run eagerly between two re-checks (grown windows)
 MODEL = Model()

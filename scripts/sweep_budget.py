@@ -242,7 +242,7 @@ def main(argv=None, script=None):
                                       or [None])}
         rows.append(row)
         if budgets[k] == 0:
-            within = "0 (none run)"     # 'auto' runs one launch per node unanalysed
+            within = "0 (sequential)"   # one launch per node, the graph not analysed
         elif row["allowed_s_per_flush"] is None:
             within = "-"
         else:

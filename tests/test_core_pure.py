@@ -131,6 +131,32 @@ def test_budget_steers_auto():
     assert m.choose(nodes, None)[0] == "depth"
 
 
+def test_budget_caps_the_slowest_recent_analysis():
+    """A policy is allowed under a budget only if its analysis fits even at
+    the slowest per node of its last ANALYSIS_KEEP flushes: a mean under the
+    budget with one recent flush over it does not do."""
+    table = SignatureTable()
+    nodes = list(_tree_graph(4, 3, table).nodes)
+    m = cost.Model()
+    m.choose(nodes, None)
+    unbatched = m.unbatched
+    budget = 1e-3
+    fits = budget * unbatched / len(nodes)      # seconds per node the budget allows
+    for a in [0.5 * fits] * 6 + [1.5 * fits]:
+        m.observe("agenda", len(nodes), a * len(nodes), 3, 1e-3, 3)
+        m.observe("depth", len(nodes), 0.5 * fits * len(nodes), 3, 1e-3, 3)
+    assert m.analysis["agenda"] < fits          # the mean fits ...
+    assert m.analysis_high("agenda") == pytest.approx(1.5 * fits)
+    pol, why, pred, _ = m.choose(nodes, budget)  # ... the slowest does not
+    assert pol != "agenda" and "budget" in why, (pol, why)
+    # the slow flush ages out after ANALYSIS_KEEP more
+    for _ in range(cost.ANALYSIS_KEEP):
+        m.observe("agenda", len(nodes), 0.5 * fits * len(nodes), 3, 1e-3, 3)
+    assert m.analysis_high("agenda") == pytest.approx(0.5 * fits)
+    assert "agenda" in [p for p in ("agenda", "depth", "sequential")
+                        if m.analysis_high(p) * len(nodes) <= budget * m.unbatched]
+
+
 def test_launch_cost_is_a_line_in_rows():
     info = SigInfo(0, "k", None, (), True, "op")
     m = cost.Model()
