@@ -71,18 +71,25 @@ class Pipe(object):
     graph's first record), and the first cycle after the count changed (its
     launches have sizes not run before, whose kernels the framework prepares
     on first use: measured, that made a better count look worse).
+    One more chunk is tried only where it could pay (:meth:`may_pay`): the
+    time the kernels (the process's other threads) waited in the current
+    count's cycles, at most what chunks can fill, must exceed the fixed cost
+    of the launches one more chunk adds (a Tree-LSTM training step, kernels
+    ~90-97% busy: ~3 ms to fill against ~6-10 ms more launches; it measured
+    1.4-2x slower in two chunks).
 
     Also kept: the mean nodes per graph (between reads: ``graph``) and
     launches per flush (``launches``), the current graph's nodes so far
     (``open``), its start time and whether its measurement stands."""
     __slots__ = ("launches", "graph", "open", "chunks", "times", "start", "valid", "last",
-                 "cycles")
+                 "cycles", "busy", "cpu")
 
     def __init__(self):
-        self.launches = self.graph = self.start = self.last = None
+        self.launches = self.graph = self.start = self.last = self.cpu = None
         self.open = 0
         self.chunks = 1
         self.times = {}
+        self.busy = {}      # chunk count -> the other threads' CPU / wall of its last cycles
         self.valid = False
         self.cycles = 0
 
@@ -102,8 +109,9 @@ class Pipe(object):
             return None
         return sorted(ts)[len(ts) // 2]
 
-    def choose(self):
-        """The chunk count of the next cycle (see the class docstring)."""
+    def choose(self, fixed=None):
+        """The chunk count of the next cycle (see the class docstring);
+        ``fixed``: the mean fixed seconds of a launch (``Model.fixed_launch``)."""
         c = self.chunks
         while not self.feasible(c):
             c -= 1
@@ -122,8 +130,28 @@ class Pipe(object):
             return best
         for k in (c + 1, c - 1):
             if k >= 1 and k not in known and self.feasible(k):
+                if k > c and not self.may_pay(c, fixed):
+                    continue
                 return k
         return c
+
+    def may_pay(self, c, fixed):
+        """Whether one chunk more than ``c`` could pay: chunks overlap Python
+        with kernels, so the most they save is the time the kernels waited in
+        a cycle of ``c`` chunks (its seconds times the share the other threads
+        were idle), and one more chunk costs about one more set of launches
+        (``launches`` x ``fixed``). True while either side is unmeasured."""
+        t = self.median(c)
+        busy = self.busy_of(c)
+        if t is None or busy is None or not fixed or not self.launches:
+            return True
+        return (1.0 - busy) * t * self.graph > self.launches * fixed
+
+    def busy_of(self, c):
+        """Median share of ``c`` chunks' last cycles the other threads (the
+        kernels) were busy, or None."""
+        bs = self.busy.get(c)
+        return sorted(bs)[len(bs) // 2] if bs else None
 
     def size(self, c=None):
         """Nodes per chunk of the usual graph cut into ``c`` chunks (default:
@@ -143,6 +171,7 @@ class Model(object):
         self.unbatched = None        # predicted one-launch-per-node seconds of this flush
         self.last_groups = {}        # its depth groups (see depth_groups)
         self.pipe = {}               # (thread, autograd mode) -> pipelining measurements
+        self.fixed_launch = None     # mean fixed seconds of a launch of the last flush chosen
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -278,6 +307,7 @@ class Model(object):
                        exec_depth - (1.0 - min(self.agenda_ratio, 1.0)) * fixed),
         }
         self.unbatched = exec_seq
+        self.fixed_launch = fixed / len(groups)
         # the budget is a cap: a policy is allowed if its analysis stays within
         # it even at the slowest per node of its last flushes (the mean predicts
         # the cost; flushes vary around it)
@@ -360,15 +390,22 @@ class Model(object):
             return None
         if p.open == 0:     # the previous graph ended at a read: a cycle starts
             now = time.perf_counter()
+            # CPU of the process's other threads: the framework's kernels
+            cpu = time.process_time() - time.thread_time()
             if p.last and p.start is not None:
                 ts = p.times.setdefault(p.chunks, [])
                 ts.append((now - p.start) / p.last)
                 del ts[:-PIPE_KEEP]
+                if now > p.start and p.cpu is not None:
+                    bs = p.busy.setdefault(p.chunks, [])
+                    bs.append((cpu - p.cpu) / (now - p.start))
+                    del bs[:-PIPE_KEEP]
                 p.cycles += 1
                 if p.cycles % PIPE_REPROBE == 0:
                     p.times = {p.chunks: ts}
+            p.cpu = cpu
             p.last = None
-            c = p.choose()
+            c = p.choose(self.fixed_launch)
             p.start = now
             # the first cycle with another count runs launches of sizes not run
             # before, whose kernels the framework prepares then (oneDNN: per
@@ -393,7 +430,8 @@ class Model(object):
             out.append({"recording": rec, "training": train, "chunks": p.chunks,
                         "chunk_size": p.size(), "graph_nodes": int(p.graph),
                         "us_per_node": {c: round(t * 1e6, 2) for c, t in medians
-                                        if t is not None}})
+                                        if t is not None},
+                        "kernels_busy": {c: round(p.busy_of(c), 3) for c in sorted(p.busy)}})
         return out
 
     @staticmethod

@@ -493,9 +493,11 @@ def main(argv=None, script=None):
             for p in c.get("pipeline") or ():
                 if p["recording"] == (w == "train"):
                     print("  pipelined chunks (%s): %d per graph of ~%d nodes; measured us "
-                          "per node by chunk count: %s"
+                          "per node by chunk count: %s; kernels busy: %s"
                           % ("recording" if p["recording"] else "not recording", p["chunks"],
-                             p["graph_nodes"], p["us_per_node"] or "(none yet)"))
+                             p["graph_nodes"], p["us_per_node"] or "(none yet)",
+                             {c: "%.0f%%" % (100 * b) for c, b in p["kernels_busy"].items()}
+                             or "(none yet)"))
             for name, g in sorted((c.get("granularity") or {}).items()):
                 print("  granularity of %s: %s (%s)" % (name.rsplit("_", 1)[-1],
                                                          g["granularity"], g["why"]))

@@ -82,11 +82,21 @@ def test_no_chunks(chunks, monkeypatch, how):
 
 
 class _Clock(object):
-    def __init__(self):
+    """perf_counter for the cost model, and CPU clocks whose other threads
+    (process minus this thread) run ``busy`` of the wall time."""
+
+    def __init__(self, busy=0.0):
         self.now = 100.0
+        self.busy = busy
 
     def perf_counter(self):
         return self.now
+
+    def process_time(self):
+        return self.busy * self.now
+
+    def thread_time(self):
+        return 0.0
 
 
 def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False, cold=0.0):
@@ -126,7 +136,8 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     assert used == [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 2], used
     assert m.pipeline_report() == [{
         "recording": False, "training": False, "chunks": 2, "chunk_size": 5000,
-        "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0}}]
+        "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0},
+        "kernels_busy": {1: 0.0, 2: 0.0, 3: 0.0}}]
     # a cycle with a calibrating flush, or one that did not start at a chunk-size
     # question (pipelining was off), is not measured
     n = len(m.pipe_of(infer).times[2])
@@ -145,6 +156,26 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     assert [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks], cold=100.0),
              m.pipe_of(infer).chunks)[1] for _ in range(9)] == [3, 3, 3, 2, 1, 1, 1, 1, 2]
     assert m.pipe_of(infer).times[3] == [pytest.approx(25e-6)] * 3
+
+
+@pytest.mark.parametrize("busy, used", [
+    # 1 chunk: 0.3 s cycles; one more chunk adds 10 launches of 2 ms fixed cost
+    (0.95, [1] * 8),                        # kernels wait 15 ms: 2 chunks never tried
+    (0.5, [1, 1, 1, 2, 2, 2, 2, 3])])       # they wait 150 ms: 2, then 3 tried
+def test_more_chunks_only_where_the_kernels_wait(monkeypatch, busy, used):
+    clock = _Clock(busy)
+    monkeypatch.setattr(cost, "time", clock)
+    m = cost.Model()
+    m.flushes = 5
+    m.fixed_launch = 2e-3
+    train = (True, True)
+    m.observe_pipeline(train, 10000, 10, True)
+    speed = {1: 30.0, 2: 20.0, 3: 25.0}
+    got = [(_cycle(m, train, clock, 10000, speed[m.pipe_of(train).chunks]),
+            m.pipe_of(train).chunks)[1] for _ in range(8)]
+    assert got == used, got
+    assert m.pipe_of(train).busy_of(1) == pytest.approx(busy)
+    assert m.pipeline_report()[0]["kernels_busy"][1] == pytest.approx(busy, abs=1e-3)
 
 
 def test_chunks_only_where_each_merges(monkeypatch):
