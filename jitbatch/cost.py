@@ -73,10 +73,11 @@ class Pipe(object):
     on first use: measured, that made a better count look worse).
     One more chunk is tried only where it could pay (:meth:`may_pay`): the
     time the kernels (the process's other threads) waited in the current
-    count's cycles, at most what chunks can fill, must exceed the fixed cost
-    of the launches one more chunk adds (a Tree-LSTM training step, kernels
-    ~90-97% busy: ~3 ms to fill against ~6-10 ms more launches; it measured
-    1.4-2x slower in two chunks).
+    count's cycles, at most what chunks can fill, must exceed what the
+    launches one more chunk adds cost (fixed kernel time plus Python issue
+    time each; a Tree-LSTM training step, kernels ~93-99% busy: ~2 ms to
+    fill against ~4-5 ms of added launches; it measured 1.4-2x slower in two
+    chunks).
 
     Also kept: the mean nodes per graph (between reads: ``graph``) and
     launches per flush (``launches``), the current graph's nodes so far
@@ -111,7 +112,9 @@ class Pipe(object):
 
     def choose(self, fixed=None):
         """The chunk count of the next cycle (see the class docstring);
-        ``fixed``: the mean fixed seconds of a launch (``Model.fixed_launch``)."""
+        ``fixed``: what one more launch costs, its mean fixed kernel seconds
+        (``Model.fixed_launch``) plus the Python seconds to issue it
+        (``Model.issue``)."""
         c = self.chunks
         while not self.feasible(c):
             c -= 1
@@ -169,9 +172,11 @@ class Model(object):
         self._measured = set()       # which priors a measurement has replaced
         self.flushes = 0             # 'auto' flushes so far (calibrate_now counts them)
         self.unbatched = None        # predicted one-launch-per-node seconds of this flush
+        self.unbatched_node = None   # and per node
         self.last_groups = {}        # its depth groups (see depth_groups)
         self.pipe = {}               # (thread, autograd mode) -> pipelining measurements
         self.fixed_launch = None     # mean fixed seconds of a launch of the last flush chosen
+        self.issue = None            # seconds to issue a launch (flushes that do not wait)
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -199,9 +204,27 @@ class Model(object):
             del recent[:-ANALYSIS_KEEP]
         if launches and calibrated:
             self.launch = self._update("launch", self.launch, execute_s / launches)
+        elif launches:
+            # not waiting for kernels: the Python time to issue a launch
+            self.issue = self._update("issue", self.issue or 0.0, execute_s / launches)
         if policy == "agenda" and depth_groups:
             self.agenda_ratio = self._update("ratio", self.agenda_ratio,
                                              launches / depth_groups)
+
+    def worth_looking(self, budget):
+        """Whether a flush under ``budget`` (not None) may look at its graph at
+        all: even counting what could merge costs a flush the analysis of a
+        sequential one per node, and the budget (a fraction of the unbatched
+        execution, per node as on the last flush) may be smaller than that.
+        True until both are measured."""
+        if budget is None:
+            return True
+        if not budget:
+            return False
+        per = self.unbatched_node
+        if per is None or "sequential" not in self.analysis_recent:
+            return True
+        return self.analysis_high("sequential") <= budget * per
 
     def analysis_high(self, key):
         """Seconds per node of ``key``'s analysis at its slowest of the last
@@ -307,6 +330,7 @@ class Model(object):
                        exec_depth - (1.0 - min(self.agenda_ratio, 1.0)) * fixed),
         }
         self.unbatched = exec_seq
+        self.unbatched_node = exec_seq / n
         self.fixed_launch = fixed / len(groups)
         # the budget is a cap: a policy is allowed if its analysis stays within
         # it even at the slowest per node of its last flushes (the mean predicts
@@ -405,7 +429,9 @@ class Model(object):
                     p.times = {p.chunks: ts}
             p.cpu = cpu
             p.last = None
-            c = p.choose(self.fixed_launch)
+            per = None if self.fixed_launch is None or self.issue is None else \
+                self.fixed_launch + self.issue
+            c = p.choose(per)
             p.start = now
             # the first cycle with another count runs launches of sizes not run
             # before, whose kernels the framework prepares then (oneDNN: per

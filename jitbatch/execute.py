@@ -48,11 +48,17 @@ _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launc
 def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, chunk_size):
     t0 = time.perf_counter()
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
+    looked = True
     if policy == "auto":
+        looked = budget != 0 and cost.MODEL.worth_looking(budget)
         if budget == 0:
             chosen, why = "sequential", "analysis budget 0: one launch per node, no analysis"
+        elif not looked:
+            chosen, why = "sequential", "analysis budget %g is below the cost of looking at " \
+                "the graph: one launch per node, no analysis" % budget
         else:
             chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
+    t_chosen = time.perf_counter()
     wait = getattr(backend, "wait", None)
     calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
     stages = None
@@ -94,10 +100,11 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     # is planned instead of after it. Both steps count as analysis.
     prepare = getattr(backend, "prepare", None)
     split = _FIRST_PLANNED if len(batches) > 2 * _FIRST_PLANNED else len(batches)
-    # one node per launch (sequential) merges nothing: looking up each launch's
-    # inputs is part of running it, not analysis
+    # one node per launch (sequential) merges nothing: its analysis is the
+    # choice itself; the per-launch bookkeeping (groups, looking up each
+    # launch's inputs) is part of running it
     single = chosen == "sequential"
-    t1 = time.perf_counter()
+    t1 = t_chosen
     if prepare is not None:
         prepare(batches[:split])
     if not single:
@@ -157,7 +164,9 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
                   analysis_seconds=analysis, execute_seconds=execution)
     if policy == "auto":
-        cost.MODEL.observe(chosen, len(nodes) - staged, analysis, len(batches), execution,
+        # a flush that did not look at its graph measured no analysis
+        cost.MODEL.observe(chosen, (len(nodes) - staged) if looked else 0, analysis,
+                           len(batches), execution,
                            groups, calibrated=calibrate, staged=bool(staged))
         if nodes:
             cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, len(batches),

@@ -157,6 +157,21 @@ def test_budget_caps_the_slowest_recent_analysis():
                         if m.analysis_high(p) * len(nodes) <= budget * m.unbatched]
 
 
+def test_a_budget_below_the_cost_of_looking_skips_the_look():
+    """Counting what could merge costs a flush the analysis of a sequential
+    one; a budget smaller than that (per node, against the last flush's
+    unbatched time per node) does not look at all."""
+    m = cost.Model()
+    assert m.worth_looking(None) and not m.worth_looking(0)
+    assert m.worth_looking(1e-6)                # nothing measured yet: look
+    nodes = list(_tree_graph(4, 3, SignatureTable()).nodes)
+    m.choose(nodes, None)
+    per = m.unbatched_node
+    assert per == pytest.approx(m.unbatched / len(nodes))
+    m.observe("sequential", len(nodes), 2e-3 * per * len(nodes), len(nodes), 1e-3, 0)
+    assert not m.worth_looking(1e-3) and m.worth_looking(3e-3)
+
+
 def test_launch_cost_is_a_line_in_rows():
     info = SigInfo(0, "k", None, (), True, "op")
     m = cost.Model()

@@ -159,7 +159,7 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
 
 
 @pytest.mark.parametrize("busy, used", [
-    # 1 chunk: 0.3 s cycles; one more chunk adds 10 launches of 2 ms fixed cost
+    # 1 chunk: 0.3 s cycles; one more chunk adds 10 launches of 2 ms each
     (0.95, [1] * 8),                        # kernels wait 15 ms: 2 chunks never tried
     (0.5, [1, 1, 1, 2, 2, 2, 2, 3])])       # they wait 150 ms: 2, then 3 tried
 def test_more_chunks_only_where_the_kernels_wait(monkeypatch, busy, used):
@@ -167,7 +167,7 @@ def test_more_chunks_only_where_the_kernels_wait(monkeypatch, busy, used):
     monkeypatch.setattr(cost, "time", clock)
     m = cost.Model()
     m.flushes = 5
-    m.fixed_launch = 2e-3
+    m.fixed_launch, m.issue = 1.5e-3, 0.5e-3    # a launch: fixed kernel + issue time
     train = (True, True)
     m.observe_pipeline(train, 10000, 10, True)
     speed = {1: 30.0, 2: 20.0, 3: 25.0}
