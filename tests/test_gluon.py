@@ -757,8 +757,25 @@ def test_unmergeable_chain_runs_eagerly_in_growing_windows():
     assert all(np.allclose(y.asnumpy(), ys[0].asnumpy()) for y in ys)
     chain(20)
     assert g.passthrough == 80 and g.quiet == 1
+    chain(20)
+    chain(20)
+    chain(20)
+    chain(20)
+    chain(20)                       # recorded again: nothing to merge, the streak grows
+    assert g.passthrough == 160 and g.quiet == 2
+    # new flags: the next calls are recorded (the window ends), the streak is
+    # kept: a chain again earns the streak's window ...
     net.hybridize(dynamic_batch=True)
-    assert g.passthrough == 0 and g.quiet == 0
+    assert g.passthrough == 0 and g.quiet == 2
+    before = jitbatch.stats()["nodes"]
+    chain(20)
+    assert jitbatch.stats()["nodes"] == before + 20
+    assert g.passthrough == 320 and g.quiet == 3
+    # ... and a flush that merges after new flags ends it
+    net.hybridize(dynamic_batch=True)
+    ys = [net(x) for _ in range(3)]
+    jitbatch.flush()
+    assert g.quiet == 0 and g.passthrough == 0
 
 
 def _loss_minibatch(loss, labels, policy, head=lambda y: y):

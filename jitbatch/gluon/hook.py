@@ -968,7 +968,11 @@ def _make_hybridize(orig):
             g = current_graph()
             if g.nodes:  # flags change: run what was recorded under the old ones
                 backend.flush_graph(g, reason="flags changed")
-            g.passthrough = g.quiet = 0  # new flags: record again before judging
+            # new flags: record again before judging; the streak of flushes
+            # that found nothing to merge is kept, so if the next one finds
+            # nothing again its window is as long as the streak has earned (a
+            # flush that merges ends the streak)
+            g.passthrough = 0
         _tls.inside = True
         try:
             orig(self, active, *args, **kwargs)
