@@ -28,7 +28,8 @@ fast_activations = True
 
 #: a merged launch of a block over more than ``2 * row_buckets`` samples runs
 #: on a sample count rounded up to one of ``row_buckets`` sizes per doubling
-#: (a power of two; 16: at most 1/16 more rows), the extra samples copies of
+#: (a power of two, others act as the power of two below them; 16: at most
+#: 1/16 more rows), the extra samples copies of
 #: the launch's first whose outputs are never read (they add nothing to any
 #: gradient). oneDNN (and cuDNN's autotuning) prepare kernels per input shape
 #: (measured on this CPU: ~0.15 ms per new shape of an ``Activation``, ~0.4 ms

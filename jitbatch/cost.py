@@ -22,8 +22,8 @@ A flush predicts, for each policy, analysis + execution time, drops the
 policies whose analysis at its slowest per node of their last 8 flushes
 exceeds ``analysis_budget`` x the predicted UNBATCHED execution time (one
 launch per node: the time batching is there to save; the budget is a cap, so
-the mean would let half the flushes over it), and runs the cheapest that is left (``sequential``, which needs no
-analysis, is always allowed). The agenda is predicted to save, per launch it
+the mean would let half the flushes over it), and runs the cheapest that is
+left (``sequential``, which needs no analysis, is always allowed). The agenda is predicted to save, per launch it
 merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
 analysis."""

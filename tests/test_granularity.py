@@ -23,13 +23,19 @@ from models import MODELS, BinaryTreeNet, full_binary
 RECURSIVE = ["binary", "childsum", "childsum_padded", "gru"]
 
 
+@pytest.mark.parametrize("buckets", [16, 1], ids=["exact", "rounded"])
 @pytest.mark.parametrize("policy", ["auto", "depth", "agenda"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_split_equals_plain(model, train, policy):
+def test_split_equals_plain(monkeypatch, model, train, policy, buckets):
+    """``rounded``: launches of input and main stages rounded up to powers of
+    two (config.row_buckets = 1), filler samples in most of them."""
+    monkeypatch.setattr(jitbatch.config, "row_buckets", buckets)
     make, gen, apply = MODELS[model]
     rng = np.random.default_rng(zlib.crc32(("split/%s/%s/%s" % (model, train, policy)).encode()))
     st = check_model(make, gen, apply, rng, 6, train, policy, granularity="split")
+    if buckets == 1 and model in RECURSIVE:
+        assert st["filler_samples"] > 0, st
     gran = st["last_flush"]["granularity"]
     if model in RECURSIVE:
         assert gran and all(g["granularity"] == "split" for g in gran.values()), gran
