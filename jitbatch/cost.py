@@ -53,6 +53,11 @@ def _ema(old, new):
     return new if old is None else 0.8 * old + 0.2 * new
 
 
+def _middle(xs):
+    """The median of a short list (the upper one of an even count)."""
+    return sorted(xs)[len(xs) // 2]
+
+
 class Pipe(object):
     """Per recording thread and autograd mode, how pipelined flushes cut a
     graph, chosen by measuring.
@@ -108,7 +113,7 @@ class Pipe(object):
         ts = self.times.get(c)
         if not ts or len(ts) < PIPE_SAMPLES:
             return None
-        return sorted(ts)[len(ts) // 2]
+        return _middle(ts)
 
     def choose(self, fixed=None):
         """The chunk count of the next cycle (see the class docstring);
@@ -154,7 +159,7 @@ class Pipe(object):
         """Median share of ``c`` chunks' last cycles the other threads (the
         kernels) were busy, or None."""
         bs = self.busy.get(c)
-        return sorted(bs)[len(bs) // 2] if bs else None
+        return _middle(bs) if bs else None
 
     def size(self, c=None):
         """Nodes per chunk of the usual graph cut into ``c`` chunks (default:

@@ -50,14 +50,14 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
     looked = True
     if policy == "auto":
-        looked = budget != 0 and cost.MODEL.worth_looking(budget)
-        if budget == 0:
+        looked = cost.MODEL.worth_looking(budget)
+        if looked:
+            chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
+        elif budget == 0:
             chosen, why = "sequential", "analysis budget 0: one launch per node, no analysis"
-        elif not looked:
+        else:
             chosen, why = "sequential", "analysis budget %g is below the cost of looking at " \
                 "the graph: one launch per node, no analysis" % budget
-        else:
-            chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
     t_chosen = time.perf_counter()
     wait = getattr(backend, "wait", None)
     calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
@@ -100,15 +100,9 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     # is planned instead of after it. Both steps count as analysis.
     prepare = getattr(backend, "prepare", None)
     split = _FIRST_PLANNED if len(batches) > 2 * _FIRST_PLANNED else len(batches)
-    # one node per launch (sequential) merges nothing: its analysis is the
-    # choice itself; the per-launch bookkeeping (groups, looking up each
-    # launch's inputs) is part of running it
-    single = chosen == "sequential"
-    t1 = t_chosen
     if prepare is not None:
         prepare(batches[:split])
-    if not single:
-        t1 = time.perf_counter()
+    t1 = time.perf_counter()
     late = 0.0      # seconds planning the later launches (inside the launch loop)
     # launch times feed the cost model only from calibrating flushes, which wait
     # for each launch's kernels (asynchronous frameworks return before them)
@@ -121,8 +115,7 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
             if done == split and prepare is not None:
                 ts = clock()
                 prepare(batches[split:])
-                if not single:
-                    late = clock() - ts
+                late = clock() - ts
             ts = clock()
             backend.launch(batch)
             if calibrate:
@@ -158,7 +151,13 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
     finally:
         graph.executing = False
         t2 = time.perf_counter()
-        analysis, execution = t1 - t0 + late, t2 - t1 - late
+        if chosen == "sequential":
+            # one node per launch merges nothing: its analysis is the choice
+            # itself; the per-launch bookkeeping (groups, each launch's input
+            # lookup) is part of running it
+            analysis, execution = t_chosen - t0, t2 - t_chosen
+        else:
+            analysis, execution = t1 - t0 + late, t2 - t1 - late
         STATS.add(flushes=1, forced_flushes=int(forced), auto_flushes=int(reason == "limit"),
                   pipelined_flushes=int(reason == "pipeline"),
                   launches=done, batched_nodes=sum(len(b) for b in batches[:done]),

@@ -349,11 +349,11 @@ def main(argv=None, script=None):
     slow = args.slow_batches if args.slow & set(names) else 0
     most = {w: max(counts[w], slow) for w in args.workload_list}   # timed batches; then warm-up
     need = max([sizes[w] * (most[w] + 1) for w in args.workload_list] + [args.train_size])
-    if args.fresh:
-        need = max(need, 10 ** 9)       # the whole training split
     t_load = time.perf_counter()
-    pairs, vocab_size = bench_core.load_pairs(bench_core.ensure_full_data(args.data), need)
-    if len(pairs) < need and not args.fresh:
+    # --fresh: the whole training split
+    pairs, vocab_size = bench_core.load_pairs(bench_core.ensure_full_data(args.data),
+                                              None if args.fresh else need)
+    if len(pairs) < need:
         raise SystemExit("%s has %d training pairs; these settings need %d"
                          % (args.data, len(pairs), need))
     print("loaded %d pairs (vocabulary %d) in %.1f s; OMP_NUM_THREADS=%s, "
