@@ -62,11 +62,11 @@ class Similarity(HybridBlock):
 class TreeEncoder(gluon.Block):
     """Embeds a sentence and runs the cell over its dependency tree, per sample."""
 
-    def __init__(self, vocab_size, embed_size, hidden_size, **kwargs):
+    def __init__(self, vocab_size, embed_size, hidden_size, sparse_grad=False, **kwargs):
         super(TreeEncoder, self).__init__(**kwargs)
         self.hidden_size = hidden_size
         with self.name_scope():
-            self.embed = nn.Embedding(vocab_size, embed_size)
+            self.embed = nn.Embedding(vocab_size, embed_size, sparse_grad=sparse_grad)
             self.cell = ChildSumLSTMCell(hidden_size, input_size=embed_size)
         self._zero = {}
 
@@ -92,15 +92,34 @@ class TreeEncoder(gluon.Block):
         return states[id(tree)][0]
 
 
+#: how the word embedding is trained: 'frozen' (Tai et al.'s choice for
+#: relatedness: the vectors are kept fixed), 'sparse' (only the rows a minibatch
+#: used are updated: a row-sparse gradient, which MXNet's optimizers update
+#: lazily; weight decay is off for that parameter, as row-sparse updates need)
+#: or 'dense' (every row every step: a dense gradient and a full update)
+EMBED_UPDATES = ("frozen", "sparse", "dense")
+
+
 class SimilarityTreeLSTM(gluon.Block):
-    """The whole relatedness model: two sentences -> (1, num_classes) log-probs."""
+    """The whole relatedness model: two sentences -> (1, num_classes) log-probs.
+    ``embed_update``: one of :data:`EMBED_UPDATES`."""
 
     def __init__(self, vocab_size, embed_size=300, hidden_size=150, sim_hidden=50,
-                 num_classes=5, **kwargs):
+                 num_classes=5, embed_update="dense", **kwargs):
         super(SimilarityTreeLSTM, self).__init__(**kwargs)
+        if embed_update not in EMBED_UPDATES:
+            raise ValueError("embed_update=%r: expected one of %s"
+                             % (embed_update, ", ".join(EMBED_UPDATES)))
+        self.embed_update = embed_update
         with self.name_scope():
-            self.encoder = TreeEncoder(vocab_size, embed_size, hidden_size)
+            self.encoder = TreeEncoder(vocab_size, embed_size, hidden_size,
+                                       sparse_grad=embed_update == "sparse")
             self.similarity = Similarity(sim_hidden, num_classes, hidden_size)
+        weight = self.encoder.embed.weight
+        if embed_update == "frozen":
+            weight.grad_req = "null"
+        elif embed_update == "sparse":
+            weight.wd_mult = 0.0
 
     def forward(self, a_tokens, a_tree, b_tokens, b_tree):  # pylint: disable=arguments-differ
         return self.similarity(self.encoder(a_tokens, a_tree), self.encoder(b_tokens, b_tree))
@@ -117,5 +136,5 @@ def kl_loss():
     return gluon.loss.KLDivLoss(from_logits=True)
 
 
-__all__ = ["ChildSumLSTMCell", "Similarity", "TreeEncoder", "SimilarityTreeLSTM",
+__all__ = ["EMBED_UPDATES", "ChildSumLSTMCell", "Similarity", "TreeEncoder", "SimilarityTreeLSTM",
            "expected_score", "kl_loss", "mx"]
