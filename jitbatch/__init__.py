@@ -9,13 +9,14 @@ executions of same-signature calls. See README.rst.
 """
 from . import _compiled
 _compiled.choose()   # before any compiled module loads: stale builds run from source
-from . import config, cost  # noqa: E402
+from . import config, cost, execute  # noqa: E402
 from ._compiled import compiled_modules  # noqa: E402
-from .errors import (BatchingError, ExecutionError, FlagError, JitBatchError,
+from .errors import (BatchingError, ExecutionError, FlagError, JitBatchError,  # noqa: E402
                      StaleValueError)
-from .graph import current_graph
-from .schedule import POLICIES
-from .stats import STATS
+from .graph import current_graph  # noqa: E402
+from .pipeline import PIPELINES  # noqa: E402
+from .schedule import POLICIES  # noqa: E402
+from .stats import STATS  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "POLICIES",
@@ -23,32 +24,12 @@ __all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "P
            "StaleValueError", "is_lazy", "compiled_modules", "zero_pad"]
 
 
-def install():
-    """Install the MXNet hooks (done by ``import jitbatch``; idempotent)."""
-    from .gluon import hook
-    hook.install()
-
-
-def uninstall():
-    """Flush this thread's pending graph and restore MXNet's own methods."""
-    from .gluon import hook
-    hook.uninstall()
-
-
-def zero_pad(block, **axes):
-    """Declare inputs of ``block`` zero-paddable along an axis, e.g.
-    ``jitbatch.zero_pad(cell, ch=1, cc=1)``: calls that differ only in those
-    sizes then merge into one launch. See ``jitbatch.gluon.hook.zero_pad``."""
-    from .gluon import hook
-    return hook.zero_pad(block, **axes)
-
-
 def flush():
     """Compute everything pending in this thread's graph (and ask MXNet for the
     autograd state again at the next record: see Known limits in docs/design.rst)."""
-    from .gluon import backend, hook
-    backend.flush_graph(current_graph(), reason="flush")
-    hook.forget_mode()
+    execute.run_graph(current_graph(), reason="flush")
+    if forget_mode is not None:
+        forget_mode()
 
 
 def stats():
@@ -56,9 +37,9 @@ def stats():
     execute_seconds, release_seconds, ... ``last_flush`` (policy chosen and why) and ``pipeline``
     (per recording thread and autograd mode: the chunk count pipelined flushes
     use and the measured microseconds per node of each count tried; see
-    ``jitbatch.cost.Pipe``)."""
+    ``jitbatch.pipeline.Pipe``)."""
     s = STATS.snapshot()
-    s["pipeline"] = cost.MODEL.pipeline_report()
+    s["pipeline"] = PIPELINES.report()
     s["pending"] = len(current_graph().nodes)
     s["nodes"] = s["batched_nodes"] + s["pending"]
     return s
@@ -76,7 +57,9 @@ def is_lazy(x):
 try:  # the framework layer after the core; the core alone works without MXNet
     import mxnet  # noqa: F401  (is the framework there?)
 except ImportError:  # pragma: no cover - exercised by tests/test_core_pure.py
-    LazyArray = None
+    LazyArray = install = uninstall = zero_pad = forget_mode = None
 else:
-    from .gluon import LazyArray  # noqa: E402
+    from .gluon import LazyArray, install, uninstall  # noqa: E402
+    from .gluon.flags import zero_pad  # noqa: E402
+    from .gluon.modes import forget_mode  # noqa: E402
     install()

@@ -24,8 +24,9 @@ import warnings
 
 #: compiled by setup.py (the graph, scheduling, flush and Gluon recording paths)
 MODULES = ("jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatch.execute",
-           "jitbatch.cost", "jitbatch.gluon.array", "jitbatch.gluon.backend",
-           "jitbatch.gluon.hook")
+           "jitbatch.cost", "jitbatch.gluon._mxapi", "jitbatch.gluon.lazy", "jitbatch.gluon.meta",
+           "jitbatch.gluon.gather", "jitbatch.gluon.signatures", "jitbatch.gluon.modes",
+           "jitbatch.gluon.sites", "jitbatch.gluon.record", "jitbatch.gluon.patch")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,145 +27,12 @@ left (``sequential``, which needs no analysis, is always allowed). The agenda is
 merges away, that signature's fixed cost ``a``. If no two nodes share (depth,
 signature), nothing can merge and ``sequential`` runs without further
 analysis."""
-import threading
-import time
-
 try:
     import cython   # compiled: the local type annotations below are C declarations
-except ImportError:  # pragma: no cover - Cython is an install requirement
-    cython = None
+except ImportError:  # running from source without Cython installed
+    from . import _nocython as cython
 
 from .graph import Node
-
-
-#: nodes per launch a pipelined chunk must hold at least (see Pipe.feasible)
-CHUNK_MERGE = 4
-#: cycles measured per chunk count before counts are compared (median of the last PIPE_KEEP)
-PIPE_SAMPLES = 3
-PIPE_KEEP = 5
-#: cycles after which the other chunk counts are measured again (see Pipe)
-PIPE_REPROBE = 256
-#: more chunks are kept only if their median is this much faster than fewer chunks'
-PIPE_MARGIN = 0.05
-
-
-def _ema(old, new):
-    return new if old is None else 0.8 * old + 0.2 * new
-
-
-def _middle(xs):
-    """The median of a short list (the upper one of an even count)."""
-    return sorted(xs)[len(xs) // 2]
-
-
-class Pipe(object):
-    """Per recording thread and autograd mode, how pipelined flushes cut a
-    graph, chosen by measuring.
-
-    A *cycle* runs from one graph's first record to the next graph's: the
-    throughput a user sees, kernels, waits and the user's own Python included.
-    Each cycle runs with ``chunks`` chunks (1: whole) and adds its seconds per
-    node to that count's last few measurements (:data:`PIPE_KEEP`); the
-    fewest chunks whose median is within :data:`PIPE_MARGIN` of the least is
-    kept, and a neighbour not measured yet is tried while the current count is
-    the one kept (one more chunk first): more chunks are tried only while
-    each step paid. Every :data:`PIPE_REPROBE` cycles the other counts'
-    measurements are dropped, so they are measured again as things change.
-    Not measured: a cycle with a calibrating flush (it waits for every
-    launch), one that did not start here (the chunk size is asked for at a
-    graph's first record), and the first cycle after the count changed (its
-    launches have sizes not run before, whose kernels the framework prepares
-    on first use: measured, that made a better count look worse).
-    One more chunk is tried only where it could pay (:meth:`may_pay`): the
-    time the kernels (the process's other threads) waited in the current
-    count's cycles, at most what chunks can fill, must exceed what the
-    launches one more chunk adds cost (fixed kernel time plus Python issue
-    time each; a Tree-LSTM training step, kernels ~93-99% busy: ~2 ms to
-    fill against ~4-5 ms of added launches; it measured 1.4-2x slower in two
-    chunks).
-
-    Also kept: the mean nodes per graph (between reads: ``graph``) and
-    launches per flush (``launches``), the current graph's nodes so far
-    (``open``), its start time and whether its measurement stands."""
-    __slots__ = ("launches", "graph", "open", "chunks", "times", "start", "valid", "last",
-                 "cycles", "busy", "cpu")
-
-    def __init__(self):
-        self.launches = self.graph = self.start = self.last = self.cpu = None
-        self.open = 0
-        self.chunks = 1
-        self.times = {}
-        self.busy = {}      # chunk count -> the other threads' CPU / wall of its last cycles
-        self.valid = False
-        self.cycles = 0
-
-    def feasible(self, c):
-        """Whether ``c`` chunks of the usual graph each hold two nodes or more
-        and at least ``CHUNK_MERGE`` nodes per launch: in a small graph or a
-        chain a chunk would merge little or nothing (and a flush that merges
-        nothing sends the next calls past recording)."""
-        if c == 1:
-            return True
-        n = self.size(c)
-        return n >= 2 and n >= CHUNK_MERGE * self.launches
-
-    def median(self, c):
-        ts = self.times.get(c)
-        if not ts or len(ts) < PIPE_SAMPLES:
-            return None
-        return _middle(ts)
-
-    def choose(self, fixed=None):
-        """The chunk count of the next cycle (see the class docstring);
-        ``fixed``: what one more launch costs, its mean fixed kernel seconds
-        (``Model.fixed_launch``) plus the Python seconds to issue it
-        (``Model.issue``)."""
-        c = self.chunks
-        while not self.feasible(c):
-            c -= 1
-        if c != self.chunks or self.median(c) is None:
-            return c
-        known = {}
-        for k in self.times:
-            t = self.median(k)
-            if t is not None and self.feasible(k):
-                known[k] = t
-        # the fewest chunks within PIPE_MARGIN of the fastest: more chunks must
-        # pay clearly (on a flat, noisy curve the search stays near 1)
-        least = min(known.values())
-        best = min(k for k, t in known.items() if t <= least * (1.0 + PIPE_MARGIN))
-        if best != c:
-            return best
-        for k in (c + 1, c - 1):
-            if k >= 1 and k not in known and self.feasible(k):
-                if k > c and not self.may_pay(c, fixed):
-                    continue
-                return k
-        return c
-
-    def may_pay(self, c, fixed):
-        """Whether one chunk more than ``c`` could pay: chunks overlap Python
-        with kernels, so the most they save is the time the kernels waited in
-        a cycle of ``c`` chunks (its seconds times the share the other threads
-        were idle), and one more chunk costs about one more set of launches
-        (``launches`` x ``fixed``). True while either side is unmeasured."""
-        t = self.median(c)
-        busy = self.busy_of(c)
-        if t is None or busy is None or not fixed or not self.launches:
-            return True
-        return (1.0 - busy) * t * self.graph > self.launches * fixed
-
-    def busy_of(self, c):
-        """Median share of ``c`` chunks' last cycles the other threads (the
-        kernels) were busy, or None."""
-        bs = self.busy.get(c)
-        return _middle(bs) if bs else None
-
-    def size(self, c=None):
-        """Nodes per chunk of the usual graph cut into ``c`` chunks (default:
-        the current count); None: the graph runs whole."""
-        c = self.chunks if c is None else c
-        return -(-int(self.graph) // c) if c > 1 else None
 
 
 class Model(object):
@@ -179,9 +46,16 @@ class Model(object):
         self.unbatched = None        # predicted one-launch-per-node seconds of this flush
         self.unbatched_node = None   # and per node
         self.last_groups = {}        # its depth groups (see depth_groups)
-        self.pipe = {}               # (thread, autograd mode) -> pipelining measurements
         self.fixed_launch = None     # mean fixed seconds of a launch of the last flush chosen
         self.issue = None            # seconds to issue a launch (flushes that do not wait)
+
+    def launch_price(self):
+        """What one more launch costs: its mean fixed kernel seconds (of the last
+        flush's depth groups) plus the Python seconds to issue it; None while
+        either is unmeasured (``pipeline.Pipe.choose``)."""
+        if self.fixed_launch is None or self.issue is None:
+            return None
+        return self.fixed_launch + self.issue
 
     def calibrate_now(self):
         """Whether this 'auto' flush waits for and times every launch: the 2nd
@@ -385,85 +259,6 @@ class Model(object):
             return True, "cheaper predicted (input stage merged across %d depths)" \
                 % len(depths), pred
         return False, "block cheaper predicted", pred
-
-    def observe_pipeline(self, mode, nodes, launches, ends_graph, calibrated=False):
-        """One 'auto' flush of ``nodes`` nodes recorded in ``mode`` (autograd
-        recording, training) in ``launches`` launches; ``ends_graph``: a read
-        or ``jitbatch.flush()`` ended the graph there (else it was a chunk,
-        and recording goes on); ``calibrated``: it waited for every launch."""
-        if self.flushes < 2:
-            return      # the process's first flush pays tracing
-        key = (threading.get_ident(), mode)   # each thread records its own graphs
-        p = self.pipe.get(key)
-        if p is None:
-            p = self.pipe[key] = Pipe()
-        if nodes >= 2:
-            p.launches = _ema(p.launches, launches)
-        p.open += nodes
-        if calibrated:
-            p.valid = False
-        if ends_graph:
-            if p.open:
-                p.graph = _ema(p.graph, p.open)
-            p.last = p.open if p.valid else None
-            p.valid = False
-            p.open = 0
-
-    def pipeline_limit(self, mode):
-        """Pending nodes after which a graph recorded in ``mode`` runs what it
-        has while recording goes on (None: never), asked at a graph's first
-        record. At the first record after a read a cycle starts: the last
-        one's time is measured and the next chunk count chosen (:class:`Pipe`)."""
-        p = self.pipe.get((threading.get_ident(), mode))
-        if p is None or p.graph is None or not p.launches:
-            return None
-        if p.open == 0:     # the previous graph ended at a read: a cycle starts
-            now = time.perf_counter()
-            # CPU of the process's other threads: the framework's kernels
-            cpu = time.process_time() - time.thread_time()
-            if p.last and p.start is not None:
-                ts = p.times.setdefault(p.chunks, [])
-                ts.append((now - p.start) / p.last)
-                del ts[:-PIPE_KEEP]
-                if now > p.start and p.cpu is not None:
-                    bs = p.busy.setdefault(p.chunks, [])
-                    bs.append((cpu - p.cpu) / (now - p.start))
-                    del bs[:-PIPE_KEEP]
-                p.cycles += 1
-                if p.cycles % PIPE_REPROBE == 0:
-                    p.times = {p.chunks: ts}
-            p.cpu = cpu
-            p.last = None
-            per = None if self.fixed_launch is None or self.issue is None else \
-                self.fixed_launch + self.issue
-            c = p.choose(per)
-            p.start = now
-            # the first cycle with another count runs launches of sizes not run
-            # before, whose kernels the framework prepares then (oneDNN: per
-            # shape): it is not measured
-            p.valid = c == p.chunks
-            p.chunks = c
-        return p.size()
-
-    def pipe_of(self, mode):
-        """This thread's :class:`Pipe` of autograd mode ``mode`` (or None)."""
-        return self.pipe.get((threading.get_ident(), mode))
-
-    def pipeline_report(self):
-        """Per recording thread and autograd mode: the chunk count in use and
-        the measured microseconds per node of each count (median of the last
-        cycles)."""
-        out = []
-        for (_, (rec, train)), p in sorted(self.pipe.items()):
-            if p.graph is None:
-                continue
-            medians = ((c, p.median(c)) for c in sorted(p.times))
-            out.append({"recording": rec, "training": train, "chunks": p.chunks,
-                        "chunk_size": p.size(), "graph_nodes": int(p.graph),
-                        "us_per_node": {c: round(t * 1e6, 2) for c, t in medians
-                                        if t is not None},
-                        "kernels_busy": {c: round(p.busy_of(c), 3) for c in sorted(p.busy)}})
-        return out
 
     @staticmethod
     def passthrough_after(nodes, launches, nothing_to_merge=True, streak=0):

@@ -1,30 +1,70 @@
-"""Flush: choose a policy, schedule, and run batches through a backend."""
+"""Flush: choose a policy, schedule, and run batches through a backend.
+
+The core knows a framework only through the :class:`Backend` protocol below,
+and a signature's executor (``SigInfo.op``) only as what the backend launches.
+A flush runs in named phases: choose (``cost``), split calls into stages
+(``granularity``), schedule (``schedule``), group, prepare the gathers,
+launch, account."""
 import time
 
 try:
     import cython   # compiled: the local type annotations below are C declarations
-except ImportError:  # pragma: no cover - Cython is an install requirement
-    cython = None
+except ImportError:  # running from source without Cython installed
+    from . import _nocython as cython
 
 from . import config, cost, schedule
-from .graph import Group, Node, Ref, _sources
 from .errors import ExecutionError, JitBatchError
+from .graph import Group, Node
+from .pipeline import PIPELINES
 from .stats import STATS
 
 
-def _sites(batch, limit=3):
-    sites = [str(n.site) for n in batch[:limit] if n.site]
-    more = "" if len(batch) <= limit else " (and %d more samples)" % (len(batch) - limit)
-    return "; ".join(sites) + more
+class Backend(object):
+    """What a flush needs from a framework. A backend subclasses this and
+    overrides ``launch`` and whatever else it can do:
+
+    ``prepare(batches)``
+        Called with the flush's first batches, then the rest, before any of
+        them launches: plan their input gathers (default: nothing).
+    ``launch(batch)``
+        Run one batch of same-signature nodes (``batch[0].info.op`` is the
+        signature's executor, the backend's own object) and store each node's
+        outputs (``Node.batch``; rows located by ``Node.row``/``Node.group``).
+    ``wait(batch)``
+        Block until a launched batch's outputs are computed: calibrating
+        flushes time launches with it (``can_wait`` False: the backend cannot,
+        and launches are never timed).
+    ``stages(info, nodes)``
+        The input-stage plan of block signature ``info`` in a flush of
+        ``nodes`` (see ``granularity``), or None (default: no stages).
+    """
+    can_wait = False
+
+    def prepare(self, batches):
+        pass
+
+    def launch(self, batch):
+        raise NotImplementedError
+
+    def wait(self, batch):
+        pass
+
+    def stages(self, info, nodes):
+        return None
+
+
+def run_graph(graph, forced=False, reason="flush"):
+    """Run every pending node of ``graph`` under the flags it was recorded with."""
+    flush(graph, graph.backend, graph.policy or "auto", graph.budget, forced, reason,
+          graph.granularity or "auto")
 
 
 def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flush",
           granularity="auto"):
-    """Run every pending node of ``graph``. ``backend.launch(batch)`` runs one batch
-    of same-signature nodes and stores each node's ``batch``/``row``.
-    ``granularity``: 'block' (a call is one node), 'split' (calls whose block
-    has an input stage run it as a node of its own, see gluon/stages.py) or
-    'auto' (the cost model decides per signature, under policy 'auto')."""
+    """Run every pending node of ``graph`` through ``backend``. ``granularity``:
+    'block' (a call is one node), 'split' (calls whose block has an input stage
+    run it as a node of its own) or 'auto' (the cost model decides per
+    signature, under policy 'auto')."""
     if graph.executing or not graph.nodes:
         return
     limit = graph.limit       # the graph's chunk size, if pipelined (take resets it)
@@ -41,43 +81,112 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
 #: flush reasons that cut a graph whose recording goes on (pipelined chunks, max_pending)
 _CHUNKS = ("pipeline", "limit")
 
-
 _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launch
 
 
+class _Flush(object):
+    """What one flush decided and measured, passed from phase to phase."""
+    __slots__ = ("policy", "chosen", "why", "predicted", "groups", "looked", "stages",
+                 "staged", "batches", "padding", "units", "calibrate", "done",
+                 "analysis", "execution")
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.chosen, self.why, self.predicted, self.groups = policy, "set by the user", {}, 0
+        self.looked = True
+        self.stages = None
+        self.staged = 0
+        self.padding = self.units = None
+        self.calibrate = False
+        self.done = 0
+
+
 def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, chunk_size):
+    f = _Flush(policy)
     t0 = time.perf_counter()
-    chosen, why, predicted, groups = (policy, "set by the user", {}, 0)
-    looked = True
-    if policy == "auto":
-        looked = cost.MODEL.worth_looking(budget)
-        if looked:
-            chosen, why, predicted, groups = cost.MODEL.choose(nodes, budget)
-        elif budget == 0:
-            chosen, why = "sequential", "analysis budget 0: one launch per node, no analysis"
-        else:
-            chosen, why = "sequential", "analysis budget %g is below the cost of looking at " \
-                "the graph: one launch per node, no analysis" % budget
+    _choose(f, nodes, budget)
     t_chosen = time.perf_counter()
-    wait = getattr(backend, "wait", None)
-    calibrate = policy == "auto" and wait is not None and cost.MODEL.calibrate_now()
-    stages = None
-    staged = 0
-    if granularity != "block" and chosen != "sequential" and \
-            getattr(backend, "stages", None) is not None:
-        n0 = len(nodes)
-        gran = granularity if policy == "auto" else \
-            ("split" if granularity == "split" else "block")
-        if gran != "block":
-            nodes, stages = _granularity(
-                nodes, backend.stages, gran, chosen, budget, calibrate,
-                cost.MODEL.last_groups if policy == "auto" else cost.Model.depth_groups(nodes))
-        staged = len(nodes) - n0
-    batches = schedule.SCHEDULERS[chosen](nodes)
-    padding = units = None
+    f.calibrate = policy == "auto" and backend.can_wait and cost.MODEL.calibrate_now()
+    nodes = _split_stages(f, nodes, backend, granularity, budget)
+    _schedule(f, nodes)
+    # Gathers are planned in two steps: the first launches' now, the rest once
+    # those are issued, so that their kernels (asynchronous) run while the rest
+    # is planned instead of after it. Both steps count as analysis.
+    batches = f.batches
+    split = _FIRST_PLANNED if len(batches) > 2 * _FIRST_PLANNED else len(batches)
+    backend.prepare(batches[:split])
+    t1 = time.perf_counter()
+    # launch times feed the cost model only from calibrating flushes, which wait
+    # for each launch's kernels (asynchronous frameworks return before them)
+    f.calibrate = f.calibrate or (policy == "auto" and backend.can_wait and
+                                  _unpriced(f.padding))
+    graph.executing = True
+    late = 0.0
+    try:
+        late = _launch(f, backend, split)
+    except BaseException as e:
+        _fail(nodes, batches, f.done, e)
+    finally:
+        graph.executing = False
+        t2 = time.perf_counter()
+        if f.chosen == "sequential":
+            # one node per launch merges nothing: its analysis is the choice
+            # itself; the per-launch bookkeeping (groups, each launch's input
+            # lookup) is part of running it
+            f.analysis, f.execution = t_chosen - t0, t2 - t_chosen
+        else:
+            f.analysis, f.execution = t1 - t0 + late, t2 - t1 - late
+        STATS.add(flushes=1, forced_flushes=int(forced), auto_flushes=int(reason == "limit"),
+                  pipelined_flushes=int(reason == "pipeline"),
+                  launches=f.done, batched_nodes=sum(len(b) for b in batches[:f.done]),
+                  analysis_seconds=f.analysis, execute_seconds=f.execution)
+    if policy == "auto":
+        _learn(f, graph, nodes, reason)
+    STATS.set_last_flush({"policy": f.chosen, "why": f.why, "nodes": len(nodes),
+                          "launches": len(batches), "analysis_seconds": f.analysis,
+                          "execute_seconds": f.execution, "predicted": f.predicted,
+                          "calibrated": f.calibrate, "reason": reason,
+                          "chunk_size": chunk_size,
+                          "padding": _report(f.padding), "granularity": f.stages})
+
+
+def _choose(f, nodes, budget):
+    """Phase 1: the policy ('auto': the cost model's choice within the budget)."""
+    if f.policy != "auto":
+        return
+    f.looked = cost.MODEL.worth_looking(budget)
+    if f.looked:
+        f.chosen, f.why, f.predicted, f.groups = cost.MODEL.choose(nodes, budget)
+    elif budget == 0:
+        f.chosen, f.why = "sequential", "analysis budget 0: one launch per node, no analysis"
+    else:
+        f.chosen, f.why = "sequential", "analysis budget %g is below the cost of looking " \
+            "at the graph: one launch per node, no analysis" % budget
+
+
+def _split_stages(f, nodes, backend, granularity, budget):
+    """Phase 2: calls split into input stage + main stage where the granularity
+    says so (see ``_granularity``); the nodes to schedule."""
+    if granularity == "block" or f.chosen == "sequential":
+        return nodes
+    gran = granularity if f.policy == "auto" else \
+        ("split" if granularity == "split" else "block")
+    if gran == "block":
+        return nodes
+    n0 = len(nodes)
+    groups = cost.MODEL.last_groups if f.policy == "auto" else cost.Model.depth_groups(nodes)
+    nodes, f.stages = _granularity(nodes, backend, gran, f.chosen, budget, f.calibrate, groups)
+    f.staged = len(nodes) - n0
+    return nodes
+
+
+def _schedule(f, nodes):
+    """Phase 3: batches in a valid order, padded signatures split by size where
+    that pays, each batch's Group and its nodes' rows in it."""
+    batches = schedule.SCHEDULERS[f.chosen](nodes)
     for batch in batches:
         if batch[0].info.pad_axes is not None:
-            batches, padding, units = _split_padded(batches)
+            batches, f.padding, f.units = _split_padded(batches)
             break
     g: Group
     n: Node
@@ -95,91 +204,85 @@ def _flush(graph, nodes, backend, policy, budget, forced, reason, granularity, c
                 n.off = off
                 off += n.rows
         g.rows = off
-    # Gathers are planned in two steps: the first launches' now, the rest once
-    # those are issued, so that their kernels (asynchronous) run while the rest
-    # is planned instead of after it. Both steps count as analysis.
-    prepare = getattr(backend, "prepare", None)
-    split = _FIRST_PLANNED if len(batches) > 2 * _FIRST_PLANNED else len(batches)
-    if prepare is not None:
-        prepare(batches[:split])
-    t1 = time.perf_counter()
-    late = 0.0      # seconds planning the later launches (inside the launch loop)
-    # launch times feed the cost model only from calibrating flushes, which wait
-    # for each launch's kernels (asynchronous frameworks return before them)
-    calibrate = calibrate or (policy == "auto" and wait is not None and _unpriced(padding))
-    graph.executing = True
-    done = 0
-    try:
-        clock = time.perf_counter
-        for batch in batches:
-            if done == split and prepare is not None:
-                ts = clock()
-                prepare(batches[split:])
-                late = clock() - ts
+    f.batches = batches
+
+
+def _launch(f, backend, split):
+    """Phase 4: every batch launched in order (the later gathers planned once
+    the first launches are issued); calibrating flushes wait for and time each
+    launch. Returns the seconds spent planning the later gathers."""
+    batches = f.batches
+    late = 0.0
+    clock = time.perf_counter
+    for batch in batches:
+        if f.done == split:
             ts = clock()
-            backend.launch(batch)
-            if calibrate:
-                wait(batch)
-                dt = clock() - ts
-                info = batch[0].info
-                rows = len(batch)
-                if info.pad_axes is not None:
-                    cost.MODEL.observe_padded(info, rows, units[done], dt)
-                info.launch_cost += dt
-                info.launches += 1
-                info.launch_rows += rows
-                info.launch_rr += rows * rows
-                info.launch_cr += dt * rows
-            done += 1
-    except BaseException as e:
-        for n in nodes:
-            if n.batch is None:
-                n.error = e
-                n.inputs = ()
-                n.users = None
-        STATS.add(failures=1)
-        if isinstance(e, JitBatchError) and not isinstance(e, ExecutionError):
-            raise
-        if not isinstance(e, Exception):
-            raise
-        b = batches[done]
-        raise ExecutionError(
-            "merged execution of %d call(s) to %s failed: %s: %s\n  recorded at: %s\n"
-            "The pending graph was discarded; parameters are untouched and the next "
-            "batch runs normally." % (len(b), b[0].info.name, type(e).__name__, e,
-                                      _sites(b))) from e
-    finally:
-        graph.executing = False
-        t2 = time.perf_counter()
-        if chosen == "sequential":
-            # one node per launch merges nothing: its analysis is the choice
-            # itself; the per-launch bookkeeping (groups, each launch's input
-            # lookup) is part of running it
-            analysis, execution = t_chosen - t0, t2 - t_chosen
-        else:
-            analysis, execution = t1 - t0 + late, t2 - t1 - late
-        STATS.add(flushes=1, forced_flushes=int(forced), auto_flushes=int(reason == "limit"),
-                  pipelined_flushes=int(reason == "pipeline"),
-                  launches=done, batched_nodes=sum(len(b) for b in batches[:done]),
-                  analysis_seconds=analysis, execute_seconds=execution)
-    if policy == "auto":
-        # a flush that did not look at its graph measured no analysis
-        cost.MODEL.observe(chosen, (len(nodes) - staged) if looked else 0, analysis,
-                           len(batches), execution,
-                           groups, calibrated=calibrate, staged=bool(staged))
-        if nodes:
-            cost.MODEL.observe_pipeline(nodes[0].mode, len(nodes) - staged, len(batches),
-                                        reason not in _CHUNKS, calibrate)
-        graph.passthrough = cost.MODEL.passthrough_after(
-            len(nodes), len(batches), nothing_to_merge=(groups == len(nodes)),
-            streak=graph.quiet)
-        graph.quiet = graph.quiet + 1 if graph.passthrough else 0
-    STATS.set_last_flush({"policy": chosen, "why": why, "nodes": len(nodes),
-                          "launches": len(batches), "analysis_seconds": analysis,
-                          "execute_seconds": execution, "predicted": predicted,
-                          "calibrated": calibrate, "reason": reason,
-                          "chunk_size": chunk_size,
-                          "padding": _report(padding), "granularity": stages})
+            backend.prepare(batches[split:])
+            late = clock() - ts
+        ts = clock()
+        backend.launch(batch)
+        if f.calibrate:
+            backend.wait(batch)
+            _timed(batch, clock() - ts, f.units[f.done] if f.units is not None else 0)
+        f.done += 1
+    return late
+
+
+def _timed(batch, seconds, units):
+    """One calibrated launch's time, added to its signature's measurements."""
+    info = batch[0].info
+    rows = len(batch)
+    if info.pad_axes is not None:
+        cost.MODEL.observe_padded(info, rows, units, seconds)
+    info.launch_cost += seconds
+    info.launches += 1
+    info.launch_rows += rows
+    info.launch_rr += rows * rows
+    info.launch_cr += seconds * rows
+
+
+def _fail(nodes, batches, done, e):
+    """A launch raised: every node not run is marked failed (its lazy values
+    raise when read) and the error is raised as an ExecutionError naming the
+    batch and its call sites (jitbatch's own errors as they are)."""
+    for n in nodes:
+        if n.batch is None:
+            n.error = e
+            n.inputs = ()
+            n.users = None
+    STATS.add(failures=1)
+    if isinstance(e, JitBatchError) and not isinstance(e, ExecutionError):
+        raise e
+    if not isinstance(e, Exception):
+        raise e
+    b = batches[done]
+    raise ExecutionError(
+        "merged execution of %d call(s) to %s failed: %s: %s\n  recorded at: %s\n"
+        "The pending graph was discarded; parameters are untouched and the next "
+        "batch runs normally." % (len(b), b[0].info.name, type(e).__name__, e,
+                                  _sites(b))) from e
+
+
+def _sites(batch, limit=3):
+    sites = [str(n.site) for n in batch[:limit] if n.site]
+    more = "" if len(batch) <= limit else " (and %d more samples)" % (len(batch) - limit)
+    return "; ".join(sites) + more
+
+
+def _learn(f, graph, nodes, reason):
+    """Phase 5 under 'auto': the cost model, the pipelined-chunk search and the
+    passthrough window learn from this flush."""
+    # a flush that did not look at its graph measured no analysis
+    cost.MODEL.observe(f.chosen, (len(nodes) - f.staged) if f.looked else 0, f.analysis,
+                       len(f.batches), f.execution, f.groups, calibrated=f.calibrate,
+                       staged=bool(f.staged))
+    if nodes:
+        PIPELINES.observe(nodes[0].mode, len(nodes) - f.staged, len(f.batches),
+                          reason not in _CHUNKS, f.calibrate, warm=cost.MODEL.flushes >= 2)
+    graph.passthrough = cost.MODEL.passthrough_after(
+        len(nodes), len(f.batches), nothing_to_merge=(f.groups == len(nodes)),
+        streak=graph.quiet)
+    graph.quiet = graph.quiet + 1 if graph.passthrough else 0
 
 
 _PAD_TIMED = 8   # timed launches after which an unpriced padded signature stops calibrating
@@ -240,7 +343,7 @@ def _report(padding):
     return {name: {k: v for k, v in r.items() if k != "info"} for name, r in padding.items()}
 
 
-def _granularity(nodes, stager, granularity, policy, budget, calibrate, groups):
+def _granularity(nodes, backend, granularity, policy, budget, calibrate, groups):
     """Split the calls of block signatures with an input stage into two nodes
     each (the input stage, then the rest) where ``granularity`` is 'split', or
     where under 'auto' the cost model predicts it pays (see
@@ -252,8 +355,6 @@ def _granularity(nodes, stager, granularity, policy, budget, calibrate, groups):
     and the report for stats: per considered signature, the choice and why."""
     per = {}
     for (d, info), (_, count) in groups.items():
-        if info.op.stages is False:
-            continue
         c = per.get(info)
         if c is None:
             per[info] = {d: count}
@@ -264,7 +365,7 @@ def _granularity(nodes, stager, granularity, policy, budget, calibrate, groups):
     for info, depths in per.items():
         if len(depths) < 2:
             continue
-        plan = stager(info, nodes)
+        plan = backend.stages(info, nodes)
         if plan is None:
             continue
         if granularity == "split":
@@ -287,25 +388,8 @@ def _granularity(nodes, stager, granularity, policy, budget, calibrate, groups):
             out.append(n)
             continue
         ins = n.inputs
-        early = tuple([ins[i] for i in plan.early])
-        graph = n.graph
-        a = Node(plan.a_info, early, 1, n.site, n.mode, graph, n.seq, n.rows)
-        d = 0
-        w = 0
-        for x in early:
-            if isinstance(x, Ref):
-                for p in _sources(x):
-                    if p.batch is None and p.graph is graph:
-                        w += 1
-                        p.users.append(a)
-                        if p.depth > d:
-                            d = p.depth
-        # between its producers and its call: all input stages of a signature
-        # whose early inputs share a depth form one group
-        a.depth = d + 0.5
-        a.wait = w
-        a.users = [n]
-        n.wait += 1
+        a = n.graph.insert_producer(n, plan.a_info, tuple([ins[i] for i in plan.early]),
+                                    n.site)
         n.info = plan.b_info
         n.inputs = tuple([ins[i] for i in plan.late]) + plan.refs(a)
         out.append(a)

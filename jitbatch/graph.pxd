@@ -25,7 +25,7 @@ cdef class Group:
 
 cdef class Graph:
     cdef public list nodes
-    cdef public object thread, policy, budget, granularity
+    cdef public object thread, backend, policy, budget, granularity
     cdef public Py_ssize_t seq, passthrough, quiet, limit, scope
     cdef public bint executing
     cdef public list retired, kept, kept_before
@@ -33,6 +33,7 @@ cdef class Graph:
     cdef public Py_ssize_t autograd_gen
     cpdef Node add(self, info, tuple inputs, site, mode, rows=*)
     cdef bint _link(self, Node n, Node p)
+    cpdef Node insert_producer(self, Node n, info, tuple inputs, site)
 
 
 cpdef Graph current_graph()

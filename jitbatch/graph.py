@@ -5,8 +5,8 @@ import time
 
 try:
     import cython   # compiled: the local type annotations below are C declarations
-except ImportError:  # pragma: no cover - Cython is an install requirement
-    cython = None
+except ImportError:  # running from source without Cython installed
+    from . import _nocython as cython
 
 from . import config
 from .stats import STATS
@@ -141,6 +141,7 @@ class Graph(object):
         self.thread = threading.get_ident()
         self.seq = 0
         self.executing = False
+        self.backend = None    # what runs it (execute.Backend), set by its first record
         self.policy = None
         self.budget = None
         self.granularity = None
@@ -197,6 +198,29 @@ class Graph(object):
                 users.append(n)
             return True
         return False
+
+    def insert_producer(self, n, info, inputs, site):
+        """A new pending node of ``info`` reading ``inputs`` that pending node
+        ``n`` will read (an input stage split off a call at flush time: the
+        caller then points ``n`` at its outputs). Its depth sits between its
+        producers' and ``n``'s, so all such nodes whose inputs share a depth
+        form one group."""
+        a: Node = Node(info, inputs, 1, site, n.mode, self, n.seq, n.rows)
+        p: Node
+        d = 0
+        w = 0
+        for x in inputs:
+            if isinstance(x, Ref):
+                for p in _sources(x):
+                    if self._link(a, p):
+                        w += 1
+                        if p.depth > d:
+                            d = p.depth
+        a.depth = d + 0.5
+        a.wait = w
+        a.users = [n]
+        n.wait += 1
+        return a
 
     def take(self):
         """Remove and return the pending nodes (the flush owns them from here)."""

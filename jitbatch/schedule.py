@@ -6,8 +6,8 @@ batching rule always form batches of one."""
 
 try:
     import cython   # compiled: the local type annotations below are C declarations
-except ImportError:  # pragma: no cover - Cython is an install requirement
-    cython = None
+except ImportError:  # running from source without Cython installed
+    from . import _nocython as cython
 
 from .graph import Node
 

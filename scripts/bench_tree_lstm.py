@@ -45,7 +45,7 @@ analysis) then waits for a core. ``OMP_WAIT_POLICY=PASSIVE`` in the environment
 
 Before the rounds, each jitbatch mode runs --settle untimed minibatches of each
 workload: 'auto' picks its pipelined chunk count by measuring cycles with each
-count (jitbatch.cost.Pipe), which takes ~10-20 graphs; the tables are its
+count (jitbatch.pipeline.Pipe), which takes ~10-20 graphs; the tables are its
 settled speed (--settle 0 times the search too).
 
 With --fresh, each round times minibatches that no earlier round timed (an
@@ -124,7 +124,7 @@ def build_parser():
     ap.add_argument("--settle", type=int, default=16,
                     help="untimed minibatches per workload each jitbatch mode runs before "
                          "the rounds, so the cost model's online choices (pipelined chunk "
-                         "count: jitbatch.cost.Pipe) have settled; 0: none")
+                         "count: jitbatch.pipeline.Pipe) have settled; 0: none")
     ap.add_argument("--slow-batches", type=int, default=1,
                     help="timed minibatches per round (both workloads) for --slow-modes")
     ap.add_argument("--slow-modes", default="plain,hybrid",

@@ -67,7 +67,7 @@ def main(argv=None):
             if i + 1 == warm or (i + 1 > warm and (i + 1) % max(n // 5, 1) == 0) or i + 1 == n:
                 marks.append((i + 1, rss_mb()))
         print("%s: RSS MB at minibatch %s; signatures cached %d"
-              % (phase, ", ".join("%d: %.1f" % m for m in marks), len(jitbatch.gluon.TABLE)))
+              % (phase, ", ".join("%d: %.1f" % m for m in marks), len(jitbatch.gluon.signatures.TABLE)))
         growth = marks[-1][1] - marks[0][1]
         if growth > args.max_growth:
             failures.append("%s grew %.1f MB after warm-up" % (phase, growth))

@@ -74,7 +74,7 @@ def build_parser():
     ap.add_argument("--settle", type=int, default=16,
                     help="untimed minibatches under the unbounded budget before the rounds, "
                          "so 'auto's online choices that every budget shares (the pipelined "
-                         "chunk count: jitbatch.cost.Pipe) have settled; 0: none")
+                         "chunk count: jitbatch.pipeline.Pipe) have settled; 0: none")
     ap.add_argument("--no-hand", action="store_true", help="skip the hand-batched reference")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)

@@ -100,24 +100,24 @@ def test_lazy_arrays_read_and_made_by_compiled_code_match_python():
     # compiled modules read LazyArray's fields at C offsets (gluon/_lazy.pxd) and
     # make lazy arrays in C: every field must be the one Python sees
     from mxnet import nd
-    from jitbatch.gluon import backend, hook
-    from jitbatch.gluon.array import LazyArray
+    from jitbatch.gluon import lazy, meta
+    from jitbatch.gluon.lazy import LazyArray
 
     class Producer(object):    # stands in for a pending node
         batch = None
         error = None
 
-    node, ctx = Producer(), hook._device(nd.zeros((1,)).context)
-    made = backend.new_lazy(node, 1, (3, 4), np.float32, ctx, (1, 2, False))
+    node, ctx = Producer(), meta.device(nd.zeros((1,)).context)
+    made = lazy.new_lazy(node, 1, (3, 4), np.float32, ctx, (1, 2, False))
     ref = LazyArray(node, 1, (3, 4), np.float32, ctx, (1, 2, False))
     assert type(made) is LazyArray and _slots(made) == _slots(ref)
     assert made.shape == (3, 4) and made.dtype is np.float32 and made.context is ctx
-    assert hook._meta(made) == ((3, 4), np.float32, ctx)
+    assert meta.meta(made) == ((3, 4), np.float32, ctx)
     # a view of a view: row ranges of the producer, read through the C layout
-    view = backend.row_view(ref, slice(1, 2))
+    view = lazy.row_view(ref, slice(1, 2))
     assert type(view) is LazyArray and view._node is node and view._k == 1
     assert view._view == (2, 1, False) and view.shape == (1, 4)
-    row = backend.row_view(ref, -1)
+    row = lazy.row_view(ref, -1)
     assert row._view == (3, 1, True) and row.shape == (4,)
 
 
@@ -145,21 +145,21 @@ def test_gather_calls_match_mxnets_own():
     # the same errors as MXNet's Python wrappers
     import mxnet as mx
     from mxnet import nd
-    from jitbatch.gluon import backend
+    from jitbatch.gluon import _mxapi
     a = nd.array(np.arange(24, dtype=np.float32).reshape(6, 4))
     idx = nd.array([5, 0, 2], dtype="int64")
-    cases = [(backend._take(a, idx), nd.take(a, idx)),
-             (backend._concat([a, a[1:3]]), nd.concat(a, a[1:3], dim=0)),
-             (backend._rows(a, 2, 5), a[2:5]),
-             (backend._reshape(a, (3, 8)), a.reshape((3, 8)))]
+    cases = [(_mxapi.take(a, idx), nd.take(a, idx)),
+             (_mxapi.concat([a, a[1:3]]), nd.concat(a, a[1:3], dim=0)),
+             (_mxapi.rows(a, 2, 5), a[2:5]),
+             (_mxapi.reshape(a, (3, 8)), a.reshape((3, 8)))]
     for got, want in cases:
         assert type(got) is nd.NDArray and got.writable
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
-    view = backend._rows(a, 0, 2)
+    view = _mxapi.rows(a, 0, 2)
     view[:] = 7                                  # a view: writes reach the source
     assert (a[:2].asnumpy() == 7).all()
-    assert backend.concrete_meta(a) == ((6, 4), np.float32, (1, 0))
-    assert backend.concrete_shape(nd.zeros((5,))) == (5,)
+    assert _mxapi.concrete_meta(a) == ((6, 4), np.float32, (1, 0))
+    assert _mxapi.concrete_shape(nd.zeros((5,))) == (5,)
     with pytest.raises(mx.base.MXNetError, match="Concat|concat|shape"):
-        backend._concat([a, nd.zeros((2, 5))]).asnumpy()
+        _mxapi.concat([a, nd.zeros((2, 5))]).asnumpy()

@@ -6,12 +6,12 @@ import sys
 import pytest
 
 from jitbatch import cost, schedule
-from jitbatch.execute import flush
+from jitbatch.execute import Backend, flush
 from jitbatch.graph import Graph, Ref
 from jitbatch.signature import SigInfo, SignatureTable
 
 CORE = ["jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatch.cost",
-        "jitbatch.execute", "jitbatch.stats", "jitbatch.errors", "jitbatch.config"]
+        "jitbatch.pipeline", "jitbatch.execute", "jitbatch.stats", "jitbatch.errors", "jitbatch.config"]
 
 
 def test_core_imports_without_mxnet():
@@ -36,7 +36,7 @@ class V(Ref):
         self._k = 0
 
 
-class FakeBackend(object):
+class FakeBackend(Backend):
     def __init__(self):
         self.launches = []
 

@@ -37,17 +37,17 @@ def test_filler_samples_change_nothing(monkeypatch, model, train, policy):
     """Block launches rounded up to a power of two (config.row_buckets = 1: more
     than 2 samples): the filler samples' outputs are never read and add
     nothing to any gradient."""
-    from jitbatch.gluon import backend
+    from jitbatch.gluon import gather
     monkeypatch.setattr(jitbatch.config, "row_buckets", 1)
     launched = []       # per launch: (nodes, samples run, rounded?)
-    gather = backend.gather_batch
+    gather_batch = gather.gather_batch
 
     def spy(batch):
         first = batch[0]
         uniform = all(n.rows == first.rows for n in batch)   # (ragged: rows per sample)
         launched.append((len(batch), first.group.size, first.info.op.rounds and uniform))
-        return gather(batch)
-    monkeypatch.setattr(backend, "gather_batch", spy)
+        return gather_batch(batch)
+    monkeypatch.setattr(gather, "gather_batch", spy)
     make, gen, apply = MODELS[model]
     rng = np.random.default_rng(zlib.crc32(("fill/%s/%s/%s" % (model, train, policy)).encode()))
     st = check_model(make, gen, apply, rng, 7, train, policy)

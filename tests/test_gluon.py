@@ -34,13 +34,14 @@ def test_identical_trees_take_one_launch_per_level(policy, depth):
 def test_later_gathers_are_planned_after_the_first_launches(monkeypatch):
     # the first two launches are planned and issued before the rest is planned,
     # so their kernels run meanwhile; the planning still counts as analysis
-    from jitbatch.gluon import backend
+    from jitbatch.gluon.backend import GluonBackend
     events = []
-    prep, launch = backend.Backend.prepare, backend.Backend.launch
-    monkeypatch.setattr(backend.Backend, "prepare", staticmethod(
-        lambda batches: events.append(("plan", len(batches))) or prep(batches)))
-    monkeypatch.setattr(backend.Backend, "launch", staticmethod(
-        lambda batch: events.append(("launch",)) or launch(batch)))
+    prep, launch = GluonBackend.prepare, GluonBackend.launch
+    monkeypatch.setattr(GluonBackend, "prepare",
+                        lambda self, batches: events.append(("plan", len(batches))) or
+                        prep(self, batches))
+    monkeypatch.setattr(GluonBackend, "launch",
+                        lambda self, batch: events.append(("launch",)) or launch(self, batch))
     outs, st = _binary(5, 3, "depth")
     assert events == [("plan", 2), ("launch",), ("launch",), ("plan", 4)] + [("launch",)] * 4
     assert st["launches"] == 6 and st["analysis_seconds"] > 0
@@ -398,16 +399,16 @@ def test_sparse_reads_of_large_launches_take_before_concatenating(monkeypatch, r
                                                                   policy):
     # the heads read 4 of 24 rows: each launch's rows are taken (or viewed) first,
     # not both launches concatenated whole; same outputs and gradients as plain Gluon
-    from jitbatch.gluon import backend
+    from jitbatch.gluon import gather
     kinds = []
-    orig = backend.run_gather
+    orig = gather.run_gather
 
     def spy(plan, idx):
         if plan.kind == "take_concat":
             kinds.append([how for how, _, _ in plan.values] +
                          (["perm"] if plan.stop > plan.start else []))
         return orig(plan, idx)
-    monkeypatch.setattr(backend, "run_gather", spy)
+    monkeypatch.setattr(gather, "run_gather", spy)
     net = _Reads(reads)
     net.initialize(mx.init.Uniform(0.5))
     x = nd.array(np.random.default_rng(3).normal(size=(12, 2)))
@@ -433,10 +434,10 @@ def test_auto_times_launches_only_on_calibrating_flushes(monkeypatch):
     model = cost.Model()
     monkeypatch.setattr(cost, "MODEL", model)
     waited = []
-    from jitbatch.gluon import backend
-    orig_wait = backend.Backend.wait
-    monkeypatch.setattr(backend.Backend, "wait",
-                        staticmethod(lambda batch: waited.append(len(batch)) or orig_wait(batch)))
+    from jitbatch.gluon.backend import GluonBackend
+    orig_wait = GluonBackend.wait
+    monkeypatch.setattr(GluonBackend, "wait",
+                        lambda self, batch: waited.append(len(batch)) or orig_wait(self, batch))
     net, late = nn.Dense(2, in_units=2), nn.Dense(2, in_units=2)
     for b in (net, late):
         b.initialize()
@@ -453,7 +454,7 @@ def test_auto_times_launches_only_on_calibrating_flushes(monkeypatch):
     assert waited == [3, 3, 3]
 
     def sig(block):
-        return next(i for i in jitbatch.gluon.TABLE._table.values()
+        return next(i for i in jitbatch.gluon.signatures.TABLE._table.values()
                     if getattr(getattr(i, "op", None), "block", None) is block)
     assert sig(net).launches == 3 and sig(net).launch_rows == 9 and sig(net).launch_cost > 0
     assert sig(late).launches == 0
@@ -632,7 +633,8 @@ def test_twin_arguments_reuse_the_planned_index_rows(monkeypatch, policy):
     # launches, another output. The c argument's gather reuses the h argument's
     # planned index rows (planned once, half the index), and the results are
     # plain Gluon's, outputs and gradients
-    from jitbatch.gluon import backend
+    from jitbatch.gluon import gather
+    from jitbatch.gluon.executors import BlockExec
     from models import binary_apply
     samples = binary_samples(np.random.default_rng(5), 5, depth=3)
     net = BinaryTreeNet()
@@ -641,13 +643,15 @@ def test_twin_arguments_reuse_the_planned_index_rows(monkeypatch, policy):
 
     def batched(twins):
         index, plans = [], []
-        make_index, gather = backend._index_array, backend.gather_batch
-        monkeypatch.setattr(backend, "_index_array",
+        make_index, gather_batch = gather._index_array, gather.gather_batch
+        monkeypatch.setattr(gather, "_index_array",
                             lambda lst, ctx: index.append(len(lst)) or make_index(lst, ctx))
-        monkeypatch.setattr(backend, "gather_batch",
-                            lambda batch: plans.append(batch[0].plan[0]) or gather(batch))
+        monkeypatch.setattr(gather, "gather_batch",      # the block launches' plans
+                            lambda batch: (plans.append(batch[0].plan[0])
+                                           if isinstance(batch[0].info.op, BlockExec) else None)
+                            or gather_batch(batch))
         if not twins:
-            monkeypatch.setattr(backend, "_twin_plan", lambda *a: None)
+            monkeypatch.setattr(gather, "_twin_plan", lambda *a: None)
         got = run(net, binary_apply, samples, True, flag=True, policy=policy)
         monkeypatch.undo()
         assert_same(ref, got)
@@ -709,17 +713,17 @@ def test_flushed_graphs_are_freed_when_a_read_waits():
 def test_concrete_metadata_read_through_the_c_api_matches_mxnet(dtype, shape):
     # the record and flush read a concrete input's shape, dtype and device
     # without MXNet's properties; they must agree with them
-    from jitbatch.gluon import backend, hook
+    from jitbatch.gluon import _mxapi, meta
     a = nd.zeros(shape, dtype=dtype)
-    shp, dt, dev = backend.concrete_meta(a)
-    assert shp == a.shape and backend.concrete_shape(a) == a.shape
+    shp, dt, dev = _mxapi.concrete_meta(a)
+    assert shp == a.shape and _mxapi.concrete_shape(a) == a.shape
     assert dt is a.dtype
     assert dev == (a.context.device_typeid, a.context.device_id)
-    m = hook._meta(a)   # pylint: disable=protected-access
+    m = meta.meta(a)
     assert m[:2] == (a.shape, a.dtype) and m[2] == a.context and hash(m[2]) == hash(a.context)
     # another array type (the numpy front end) is read through its properties
     b = mx.np.zeros(shape, dtype=dtype)
-    assert backend.concrete_meta(b) is None and backend.concrete_shape(b) == b.shape
+    assert _mxapi.concrete_meta(b) is None and _mxapi.concrete_shape(b) == b.shape
 
 
 def test_unmergeable_chain_runs_eagerly_in_growing_windows():

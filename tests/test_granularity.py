@@ -169,10 +169,10 @@ def test_cost_model_chooses_granularity():
 def test_auto_times_the_split_then_decides(monkeypatch):
     # under 'auto': the 2nd flush (calibrating) times the block, the 3rd
     # (calibrating) the two stages; later flushes choose from those times
-    from jitbatch.gluon import hook
+    from jitbatch.gluon import signatures
     model = cost.Model()
     monkeypatch.setattr(cost, "MODEL", model)
-    monkeypatch.setattr(hook, "_MEASURED", {})   # no times inherited from other tests
+    monkeypatch.setattr(signatures, "_MEASURED", {})   # no times inherited from other tests
     make, gen, apply = MODELS["childsum_padded"]
     net = make()
     net.hybridize(dynamic_batch=True)

@@ -188,12 +188,12 @@ def test_measurements_survive_hybridizing_again():
     jitbatch.zero_pad(net.cell, ch=1)
     data = samples(np.random.default_rng(4), KS)
     run(net, data, True, "auto")
-    from jitbatch.gluon import hook
-    info = next(i for i in hook.TABLE._table.values()
+    from jitbatch.gluon.signatures import TABLE
+    info = next(i for i in TABLE._table.values()
                 if getattr(getattr(i, "op", None), "block", None) is net.cell)
     info.launches, info.launch_cost, info.pad_fit = 3, 0.5, [1.0] * 9
     run(net, data, True, "auto")               # hybridize again: a new signature
-    new = [i for i in hook.TABLE._table.values()
+    new = [i for i in TABLE._table.values()
            if getattr(getattr(i, "op", None), "block", None) is net.cell]
     assert new[-1] is not info and new[-1].launches >= 3 and new[-1].pad_fit[0] >= 1.0
 
@@ -247,7 +247,7 @@ def test_an_unpriced_padded_signature_calibrates_until_priced(monkeypatch):
         lf = jitbatch.stats()["last_flush"]
         seen.append(lf["calibrated"])
         assert outs[0].shape == (1, 4)
-    timed = next(i for i in jitbatch.gluon.TABLE._table.values()
+    timed = next(i for i in jitbatch.gluon.signatures.TABLE._table.values()
                  if getattr(getattr(i, "op", None), "block", None) is net.cell).pad_fit[0]
     assert seen[0] is False                # its first flush pays first-call costs
     assert seen[1] is True                 # then it is timed ...
@@ -258,14 +258,14 @@ def test_an_unpriced_padded_signature_calibrates_until_priced(monkeypatch):
 def test_a_concrete_array_read_by_many_samples_is_one_gather_source(monkeypatch):
     # the child-sum model's leaves pass one shared (1, 1, H) zero state; in a
     # padded launch beside nodes with children it is read as rows of (H,)
-    from jitbatch.gluon import backend
+    from jitbatch.gluon.backend import GluonBackend
     plans = []
-    orig = backend.prepare
+    orig = GluonBackend.prepare
 
-    def prepare(batches):
-        orig(batches)
+    def prepare(self, batches):
+        orig(self, batches)
         plans.extend(b[0].plan[0] for b in batches if b[0].plan)
-    monkeypatch.setattr(backend.Backend, "prepare", staticmethod(prepare))
+    monkeypatch.setattr(GluonBackend, "prepare", prepare)
     cell = SumCell()
     cell.initialize()
     jitbatch.zero_pad(cell, ch=1)

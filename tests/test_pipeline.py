@@ -1,5 +1,5 @@
 """Pipelined flushes: under 'auto' a large pending graph runs in chunks while
-recording goes on (config.pipeline; the chunk size from cost.Model.pipeline_limit).
+recording goes on (config.pipeline; the chunk size from pipeline.Pipelines.limit).
 
 Oracles: outputs and gradients equal plain Gluon with chunks forced small; exact
 flush counts; the chunk-size rule from given measurements."""
@@ -11,7 +11,7 @@ from mxnet import nd
 from mxnet.gluon import nn
 
 import jitbatch
-from jitbatch import cost
+from jitbatch import pipeline
 
 from harness import check_model
 from models import MODELS
@@ -20,11 +20,10 @@ from models import MODELS
 @pytest.fixture
 def chunks(monkeypatch):
     """Pipelining on, with a fixed chunk size (set by the test)."""
-    from jitbatch.gluon import hook
     monkeypatch.setattr(jitbatch.config, "pipeline", True)
-    monkeypatch.setattr(hook, "_FREE_CORE", True)
+    monkeypatch.setattr(pipeline, "FREE_CORE", True)
     size = {"n": None}
-    monkeypatch.setattr(cost.Model, "pipeline_limit", lambda self, mode: size["n"])
+    monkeypatch.setattr(pipeline.Pipelines, "limit", lambda self, mode, price=None: size["n"])
     return size
 
 
@@ -65,8 +64,7 @@ def test_no_chunks(chunks, monkeypatch, how):
     elif how == "switched off":
         monkeypatch.setattr(jitbatch.config, "pipeline", False)
     elif how == "no free core":
-        from jitbatch.gluon import hook
-        monkeypatch.setattr(hook, "_FREE_CORE", False)
+        monkeypatch.setattr(pipeline, "FREE_CORE", False)
     else:
         chunks["n"] = None
     net = nn.Dense(3, in_units=3)
@@ -99,63 +97,62 @@ class _Clock(object):
         return 0.0
 
 
-def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False, cold=0.0):
+def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False, cold=0.0,
+           price=None):
     """One graph between reads: its first record asks the chunk size, it takes
     ``us_per_node`` per node (``cold`` more when its chunk count differs from
-    the last cycle's: new launch sizes), a read ends it. Returns the chunk size
-    used."""
-    p = m.pipe_of(mode)
+    the last cycle's: new launch sizes), a read ends it (``price``: what one
+    more launch costs). Returns the chunk size used."""
+    p = m.of(mode)
     before = p.chunks if p is not None else 1
-    size = m.pipeline_limit(mode)
-    if m.pipe_of(mode).chunks != before:
+    size = m.limit(mode, price)
+    if m.of(mode).chunks != before:
         us_per_node += cold
     clock.now += nodes * us_per_node * 1e-6
-    m.observe_pipeline(mode, nodes, launches, True, calibrated)
+    m.observe(mode, nodes, launches, True, calibrated)
     return size
 
 
 def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(cost, "time", clock)
-    m = cost.Model()
+    monkeypatch.setattr(pipeline, "time", clock)
+    m = pipeline.Pipelines()
     infer = (False, False)
-    m.flushes = 1                  # the process's first flush: not used
-    m.observe_pipeline(infer, 10000, 10, True)
-    assert m.pipeline_limit(infer) is None and m.pipe_of(infer) is None
-    m.flushes = 5
-    m.observe_pipeline(infer, 10000, 10, True)
+    m.observe(infer, 10000, 10, True, warm=False)   # the process's first flush: not used
+    assert m.limit(infer) is None and m.of(infer) is None
+    m.observe(infer, 10000, 10, True)
     speed = {1: 30.0, 2: 20.0, 3: 25.0, 4: 40.0}    # us per node by chunk count
     used = []
     for _ in range(16):
         # the first cycle after a change is slow (new launch sizes): not measured
-        size = _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks], cold=100.0)
-        used.append(m.pipe_of(infer).chunks)
+        size = _cycle(m, infer, clock, 10000, speed[m.of(infer).chunks], cold=100.0)
+        used.append(m.of(infer).chunks)
         assert size == (None if used[-1] == 1 else -(-10000 // used[-1]))
     # 1 chunk is measured over 3 cycles, then 2 (better; a cycle to warm, 3
     # measured), then 3 (worse than 2): back to 2, whose neighbours are both known
     assert used == [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 2], used
-    assert m.pipeline_report() == [{
+    assert m.report() == [{
         "recording": False, "training": False, "chunks": 2, "chunk_size": 5000,
         "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0},
         "kernels_busy": {1: 0.0, 2: 0.0, 3: 0.0}}]
     # a cycle with a calibrating flush, or one that did not start at a chunk-size
     # question (pipelining was off), is not measured
-    n = len(m.pipe_of(infer).times[2])
+    n = len(m.of(infer).times[2])
     _cycle(m, infer, clock, 10000, 999.0, calibrated=True)
-    m.observe_pipeline(infer, 10000, 10, True)
+    m.observe(infer, 10000, 10, True)
     clock.now += 50.0
     _cycle(m, infer, clock, 10000, 20.0)
-    assert m.pipe_of(infer).times[2][-1] == pytest.approx(20e-6) and \
-        len(m.pipe_of(infer).times[2]) == min(n + 1, cost.PIPE_KEEP)
+    assert m.of(infer).times[2][-1] == pytest.approx(20e-6) and \
+        len(m.of(infer).times[2]) == min(n + 1, pipeline.PIPE_KEEP)
     # every PIPE_REPROBE cycles the other counts are measured again: 3 (its
     # warm cycle was the last above; 3 measured), then (still worse) back to 2
     # for a cycle, then 1 (a warm cycle, 3 measured), and 2 again
-    while m.pipe_of(infer).cycles % cost.PIPE_REPROBE:
-        _cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks])
-    assert set(m.pipe_of(infer).times) == {2} and m.pipe_of(infer).chunks == 3
-    assert [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks], cold=100.0),
-             m.pipe_of(infer).chunks)[1] for _ in range(9)] == [3, 3, 3, 2, 1, 1, 1, 1, 2]
-    assert m.pipe_of(infer).times[3] == [pytest.approx(25e-6)] * 3
+    while m.of(infer).cycles % pipeline.PIPE_REPROBE:
+        _cycle(m, infer, clock, 10000, speed[m.of(infer).chunks])
+    assert set(m.of(infer).times) == {2} and m.of(infer).chunks == 3
+    assert [(_cycle(m, infer, clock, 10000, speed[m.of(infer).chunks], cold=100.0),
+             m.of(infer).chunks)[1] for _ in range(9)] == [3, 3, 3, 2, 1, 1, 1, 1, 2]
+    assert m.of(infer).times[3] == [pytest.approx(25e-6)] * 3
 
 
 @pytest.mark.parametrize("busy, used", [
@@ -164,61 +161,57 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     (0.5, [1, 1, 1, 2, 2, 2, 2, 3])])       # they wait 150 ms: 2, then 3 tried
 def test_more_chunks_only_where_the_kernels_wait(monkeypatch, busy, used):
     clock = _Clock(busy)
-    monkeypatch.setattr(cost, "time", clock)
-    m = cost.Model()
-    m.flushes = 5
-    m.fixed_launch, m.issue = 1.5e-3, 0.5e-3    # a launch: fixed kernel + issue time
+    monkeypatch.setattr(pipeline, "time", clock)
+    m = pipeline.Pipelines()
     train = (True, True)
-    m.observe_pipeline(train, 10000, 10, True)
+    m.observe(train, 10000, 10, True)
     speed = {1: 30.0, 2: 20.0, 3: 25.0}
-    got = [(_cycle(m, train, clock, 10000, speed[m.pipe_of(train).chunks]),
-            m.pipe_of(train).chunks)[1] for _ in range(8)]
+    price = 1.5e-3 + 0.5e-3                # a launch: fixed kernel + issue time
+    got = [(_cycle(m, train, clock, 10000, speed[m.of(train).chunks], price=price),
+            m.of(train).chunks)[1] for _ in range(8)]
     assert got == used, got
-    assert m.pipe_of(train).busy_of(1) == pytest.approx(busy)
-    assert m.pipeline_report()[0]["kernels_busy"][1] == pytest.approx(busy, abs=1e-3)
+    assert m.of(train).busy_of(1) == pytest.approx(busy)
+    assert m.report()[0]["kernels_busy"][1] == pytest.approx(busy, abs=1e-3)
 
 
 def test_chunks_only_where_each_merges(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(cost, "time", clock)
-    m = cost.Model()
-    m.flushes = 5
+    monkeypatch.setattr(pipeline, "time", clock)
+    m = pipeline.Pipelines()
     infer, train = (False, False), (True, True)
     # a chunk must hold CHUNK_MERGE nodes per launch: 10,000 nodes in 600
     # launches can be cut in 4 (2,500 >= 2,400) but not 5
-    m.observe_pipeline(infer, 10000, 600, True)
-    p = m.pipe_of(infer)
+    m.observe(infer, 10000, 600, True)
+    p = m.of(infer)
     assert [p.feasible(c) for c in (1, 2, 4, 5)] == [True, True, True, False]
     # a chain of 200 nodes in 200 launches never runs in chunks, however slow
-    m.observe_pipeline(train, 200, 200, True)
+    m.observe(train, 200, 200, True)
     for _ in range(12):
         assert _cycle(m, train, clock, 200, 50.0, launches=200) is None
-    assert m.pipe_of(train).chunks == 1
+    assert m.of(train).chunks == 1
     # graphs that shrink: the count in use falls back to one that fits
-    q = m.pipe_of(infer)
+    q = m.of(infer)
     q.chunks = 4
-    m.observe_pipeline(infer, 5000, 600, True)
+    m.observe(infer, 5000, 600, True)
     assert q.choose() < 4 and q.feasible(q.choose())
 
 
 @pytest.mark.parametrize("env, cores, free", [("1", 2, True), ("2", 2, False), ("", 2, False),
                                               ("x", 4, False), ("3", 4, True)])
 def test_a_free_core_is_read_from_omp_num_threads(monkeypatch, env, cores, free):
-    from jitbatch.gluon import hook
     monkeypatch.setenv("OMP_NUM_THREADS", env)
-    monkeypatch.setattr(hook.os, "cpu_count", lambda: cores)
-    assert hook.kernels_leave_a_core() is free
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: cores)
+    assert pipeline.kernels_leave_a_core() is free
 
 
 @pytest.fixture
 def timed(monkeypatch):
-    """A cost model past its first flush, on a fake clock, that has seen one
-    inference graph of 10,000 nodes in 10 launches."""
+    """The chunk search past the process's first flush, on a fake clock, having
+    seen one inference graph of 10,000 nodes in 10 launches."""
     clock = _Clock()
-    monkeypatch.setattr(cost, "time", clock)
-    m = cost.Model()
-    m.flushes = 5
-    m.observe_pipeline((False, False), 10000, 10, True)
+    monkeypatch.setattr(pipeline, "time", clock)
+    m = pipeline.Pipelines()
+    m.observe((False, False), 10000, 10, True)
     return m, clock, (False, False)
 
 
@@ -231,16 +224,16 @@ def test_each_thread_measures_its_own_cycles(timed):
     other = []
 
     def run():
-        m.observe_pipeline(infer, 600, 200, True)     # a small graph: never chunked
+        m.observe(infer, 600, 200, True)     # a small graph: never chunked
         other.append([_cycle(m, infer, clock, 600, 99.0, launches=200) for _ in range(5)])
-        other.append(m.pipe_of(infer).chunks)
+        other.append(m.of(infer).chunks)
     t = threading.Thread(target=run)
     t.start()
     t.join()
     assert other == [[None] * 5, 1]
-    p = m.pipe_of(infer)
+    p = m.of(infer)
     assert p.graph == 10000 and p.chunks == 2 and p.median(1) == pytest.approx(30e-6)
-    assert len(m.pipeline_report()) == 2
+    assert len(m.report()) == 2
 
 
 def test_a_flat_curve_keeps_one_chunk(timed):
@@ -248,6 +241,6 @@ def test_a_flat_curve_keeps_one_chunk(timed):
     search does not walk on past 2."""
     m, clock, infer = timed
     speed = {1: 30.0, 2: 29.0, 3: 20.0}   # 2 is 3% faster than 1: not enough
-    used = [(_cycle(m, infer, clock, 10000, speed[m.pipe_of(infer).chunks]),
-             m.pipe_of(infer).chunks)[1] for _ in range(11)]
+    used = [(_cycle(m, infer, clock, 10000, speed[m.of(infer).chunks]),
+             m.of(infer).chunks)[1] for _ in range(11)]
     assert used == [1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1], used

@@ -121,7 +121,7 @@ def test_resident_memory_stays_flat_over_many_minibatches():
         if step in (100, 399):
             marks.append(_rss_mb())
     assert marks[1] - marks[0] < 20, marks   # MB over 300 minibatches after warm-up
-    assert len(jitbatch.gluon.TABLE) < 100
+    assert len(jitbatch.gluon.signatures.TABLE) < 100
 
 
 def test_gc_is_paused_while_pending_and_restored_after_flush_or_failure():

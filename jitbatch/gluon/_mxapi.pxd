@@ -1,12 +1,13 @@
-# Direct calls of the few MXNet C-API functions the flush and the record issue
-# per gather and per concrete input (backend.py, compiled). MXNet's Python layer
-# reaches them through ctypes: argument arrays, c_void_p wrappers and an
-# NDArray.__init__ in Python around a C call that itself costs less. Here the
-# functions' addresses are taken from the library MXNet already loaded (through
-# ctypes, once, by jb_mx_init) and called from C, with the GIL held (they only
-# push work to MXNet's engine or read metadata; they never wait for kernels).
-# The results are the same NDArray objects MXNet's own wrappers make. Errors go
-# through mxnet.base.check_call, so they raise MXNet's own exceptions.
+# Compiled declarations of _mxapi.py (Cython's "augmenting .pxd": the .py stays the
+# one implementation). The C helpers below call the few MXNet C-API functions the
+# flush and the record issue per gather and per concrete input directly: MXNet's
+# Python layer reaches them through ctypes (argument arrays, c_void_p wrappers and
+# an NDArray.__init__ in Python around a C call that itself costs less). Their
+# addresses are taken from the library MXNet already loaded (through ctypes, once,
+# by jb_mx_init) and called from C, with the GIL held (they only push work to
+# MXNet's engine or read metadata; they never wait for kernels). The results are
+# the same NDArray objects MXNet's own wrappers make. Errors go through
+# mxnet.base.check_call, so they raise MXNet's own exceptions.
 
 cdef extern from *:
     """
@@ -239,3 +240,12 @@ cdef extern from *:
     object jb_reshape(object arr, object shape)
     object jb_shape(object arr)
     object jb_meta(object arr)
+
+
+cpdef concrete_shape(arr)
+cpdef concrete_meta(arr)
+cpdef take(src, idx)
+cpdef concat(srcs)
+cpdef rows(arr, Py_ssize_t start, Py_ssize_t stop)
+cpdef reshape(arr, shape)
+cpdef op_handle(name)

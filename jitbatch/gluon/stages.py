@@ -24,6 +24,9 @@ from mxnet import symbol as _sym
 from mxnet.gluon import SymbolBlock
 
 from ..graph import _sources
+from .executors import BlockExec
+from .lazy import new_lazy
+from .signatures import STAGE_IN, STAGE_MAIN, TABLE, derived_key, new_info
 
 __all__ = ["StagePlan", "plan_for", "partition"]
 
@@ -48,13 +51,12 @@ class StagePlan(object):
 
     def refs(self, anode):
         """Lazy values of the input stage node ``anode``'s outputs."""
-        from .array import LazyArray
         ctx = self.ctx
         rows = anode.rows
         if rows is None:
-            return tuple([LazyArray(anode, k, m[0], m[1], ctx)
+            return tuple([new_lazy(anode, k, m[0], m[1], ctx)
                           for k, m in enumerate(self.a_meta)])
-        return tuple([LazyArray(anode, k, (rows,) + m[0][1:], m[1], ctx)
+        return tuple([new_lazy(anode, k, (rows,) + m[0][1:], m[1], ctx)
                       for k, m in enumerate(self.a_meta)])
 
 
@@ -139,19 +141,19 @@ def _stage_block(sym, inputs, metas, block):
     return sb
 
 
-def plan_for(info, nodes, table, new_info):
+def plan_for(info, nodes):
     """The stage plan of block signature ``info`` (in a flush of ``nodes``),
-    found on its first flush and kept on its executor; None if it has
-    none. ``table``/``new_info`` make the stages' signatures."""
+    found on its first flush and kept on its executor; None if it has none
+    (or ``info`` is an operator's)."""
     ex = info.op
     plan = ex.stages
     if plan is None:
         mine = [n for n in nodes if n.info is info]
-        plan = ex.stages = _make_plan(info, mine, table, new_info) or False
+        plan = ex.stages = _make_plan(info, mine) or False
     return plan or None
 
 
-def _make_plan(info, nodes, table, new_info):
+def _make_plan(info, nodes):
     ex = info.op
     ragged = bool(info.out_meta) and info.out_meta[0][0][0] is None
     late = _late_positions(info, nodes)
@@ -198,7 +200,6 @@ def _make_plan(info, nodes, table, new_info):
                    for s, t in zip(o1, ot))
     if ragged and any(s[0] != 3 for s in o1):
         return None     # a ragged input stage must keep the call's rows
-    from .hook import BlockExec
     a_in = tuple(ex.in_meta[i] for i in a_pos)
     b_in = tuple(ex.in_meta[i] for i in b_pos) + tuple((m[0], m[1]) for m in a_meta)
     sa = _stage_block(a_sym, a_inputs, a_in, block)
@@ -207,16 +208,16 @@ def _make_plan(info, nodes, table, new_info):
     a_ex = BlockExec(sa, [0] * len(a_in), a_in, a_meta, ex.ctx, ex.mode)
     b_ex = BlockExec(sb, [0] * len(b_in), b_in, info.out_meta, ex.ctx, ex.mode, b_pad)
     a_ex.stages = b_ex.stages = False
-    # keys like the block's, the renewal token third (measurements carry over
-    # when the block is hybridized again: hook._new_info); the input stage's
-    # key holds only what it reads, so calls of the block that differ in late
-    # inputs (e.g. their child count) share its launch
+    # keys derived from the block's (measurements carry over when the block is
+    # hybridized again: signatures.new_info); the input stage's key holds only
+    # what it reads, so calls of the block that differ in late inputs (e.g.
+    # their child count) share its launch
     k = info.key
-    a_key = ("stg-in", k[1], k[2], tuple(a_pos), a_in, ex.mode, ragged)
-    b_key = ("stg-main", k[1], k[2], k[0]) + tuple(k[3:])
-    a_info = table.get(a_key) or table.add(
+    a_key = derived_key(STAGE_IN, k, tuple(a_pos), a_in, ex.mode, ragged)
+    b_key = derived_key(STAGE_MAIN, k, k[0], *k[3:])
+    a_info = TABLE.get(a_key) or TABLE.add(
         a_key, lambda sid: new_info(sid, a_key, a_ex, a_meta, True, info.name + "[input stage]"))
-    b_info = table.add(b_key, lambda sid: new_info(sid, b_key, b_ex, info.out_meta, True,
+    b_info = TABLE.add(b_key, lambda sid: new_info(sid, b_key, b_ex, info.out_meta, True,
                                                    info.name + "[main stage]"))
     if b_pad:
         # a call keeps its node (and the size it was recorded with) as the main stage

@@ -3,21 +3,46 @@
 ``shape``, ``dtype`` and ``context`` are known at record time. Operators and
 basic indexing stay lazy; anything that needs the data (``asnumpy``, printing,
 ``backward``, in-place writes, unknown C-API uses) goes through ``handle``,
-which flushes the pending graph and materialises this array's rows."""
+which runs the pending graph (``force``) and reads this array's rows of its
+launch's output (``row_value``). Views (``x[i]``, ``x[a:b]`` on axis 0) are
+free: rows of the producer's output, no node."""
 import numbers
 from threading import get_ident as _get_ident
+
+try:
+    import cython   # compiled: lazy arrays are made and freed in C (lazy.pxd)
+except ImportError:  # running from source without Cython installed
+    from .. import _nocython as cython
 
 from mxnet import ndarray as _nd
 from mxnet.ndarray import NDArray
 
+from .. import execute
 from ..errors import StaleValueError
 from ..graph import Composite, Ref
+from . import _mxapi
+from .layout import extent
+
+
+class _Detached(object):
+    """Stands in as the producer of a lazy array that became concrete (in-place
+    write): it is never pending and never part of a batch."""
+    batch = ()
+    error = None
+    depth = 0
+    row = -1
+
+
+DETACHED = _Detached()
 
 
 class LazyArray(NDArray, Ref):
     """Result of a recorded per-sample call. ``_view`` is None or ``(r0, rc, squeeze)``:
     rows ``r0:r0+rc`` of the producer's per-sample output, axis 0 dropped when
-    ``squeeze`` (integer indexing) - views are free, they need no node."""
+    ``squeeze`` (integer indexing) - views are free, they need no node.
+
+    Compiled modules read these fields at their C offsets: a slot added here
+    goes into ``_lazy.pxd``'s struct too (tests/test_compiled.py checks it)."""
     __slots__ = ("_node", "_k", "_shape", "_dtype", "_ctx", "_view", "_value")
 
     def __init__(self, node, k, shape, dtype, ctx, view=None):  # pylint: disable=super-init-not-called
@@ -77,9 +102,8 @@ class LazyArray(NDArray, Ref):
             for part in node.parts:
                 if type(part) is LazyArray:
                     part.value()
-            from .hook import build_composite
-            with backend.mode_scope(node.mode):
-                v = build_composite(node)
+            with _mxapi.mode_scope(node.mode):
+                v = composite_value(node)
             self._value = v
             return v
         if node.batch is None:
@@ -90,8 +114,8 @@ class LazyArray(NDArray, Ref):
                     "again."
                     % (node.info.name, node.site or "?", type(node.error).__name__,
                        node.error)) from node.error
-            backend.force(node)
-        v = backend.row_value(self)
+            force(node)
+        v = row_value(self)
         self._value = v
         g = node.graph
         if (g.retired or g.kept) and not g.executing and g.thread == _get_ident():
@@ -106,8 +130,8 @@ class LazyArray(NDArray, Ref):
 
     # -- lazy structure operations ---------------------------------------------------
     def __getitem__(self, key):
-        view = backend.row_view(self, key) if type(key) is slice or type(key) is int \
-            else backend.row_view(self, key) if isinstance(key, numbers.Integral) else None
+        view = row_view(self, key) if type(key) is slice or type(key) is int \
+            else row_view(self, key) if isinstance(key, numbers.Integral) else None
         if view is not None:
             return view
         if isinstance(key, (numbers.Integral, slice)):
@@ -119,8 +143,7 @@ class LazyArray(NDArray, Ref):
     def __setitem__(self, key, value):
         # an in-place write: the array becomes a concrete one of its own (under
         # autograd its computed value is a copy, so later reads must use it)
-        self.value()
-        self._node = backend.DETACHED
+        detach(self)
         NDArray.__setitem__(self, key, value)
 
     def reshape(self, *shape, **kwargs):
@@ -140,6 +163,60 @@ class LazyArray(NDArray, Ref):
 
     def __reduce__(self):
         return NDArray.__reduce__(self.value())
+
+
+if cython.compiled:
+    jb_lazy_type(LazyArray)  # noqa: F821 (compiled only: lazy.pxd's maker learns the slots)
+
+
+def new_lazy(node, k, shape, dtype, ctx, view=None):
+    """``LazyArray(node, k, shape, dtype, ctx, view)``; compiled, made in C with
+    every field set at once (no Python call per field)."""
+    if cython.compiled:
+        return jb_new_lazy(LazyArray, node, k, shape, dtype, ctx, view)  # noqa: F821
+    return LazyArray(node, k, shape, dtype, ctx, view)
+
+
+def detach(arr):
+    """Make lazy ``arr`` a concrete array of its own (before an in-place write)."""
+    arr.value()
+    arr._node = DETACHED
+
+
+# -- views -----------------------------------------------------------------------------
+def row_view(arr, key):
+    """``x[i]`` / ``x[a:b]`` of lazy array ``arr`` along axis 0 as a free view
+    (rows of its producer's output: no node), or None if not that case
+    (``LazyArray.__getitem__`` then records an operator)."""
+    shape = arr._shape
+    n = shape[0]
+    if type(key) is not slice:
+        i = int(key)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("index %d is out of bounds for axis 0 with size %d" % (key, n))
+        squeeze = len(shape) > 1          # MXNet 1.x: a 1-D array indexed gives shape (1,)
+        return _view(arr, i, 1, squeeze, shape[1:] if squeeze else (1,))
+    if key.step is None or key.step == 1:
+        start, stop, _ = key.indices(n)
+        if stop <= start:
+            return None
+        return _view(arr, start, stop - start, False, (stop - start,) + shape[1:])
+    return None
+
+
+def _view(arr, r0, rc, squeeze, new_shape):
+    view = arr._view
+    if view is not None:
+        pr0, _, psq = view
+        if psq:
+            return None  # a view of a squeezed view is not a row range of the producer
+        r0 = pr0 + r0
+    node = arr._node
+    if node is DETACHED or type(node) is Composite:
+        return None
+    return new_lazy(node, arr._k, new_shape, arr._dtype, arr._ctx, (r0, rc, squeeze))
 
 
 def _tuple_index(arr, key):
@@ -170,7 +247,65 @@ def _tuple_index(arr, key):
     return out
 
 
-# backend reads LazyArray's fields by their C layout when compiled (its .pxd
-# imports this class when it loads), so the class is defined before it
-from . import backend  # noqa: E402
-backend.LazyArray = LazyArray
+# -- composites (values made of other values' rows) ----------------------------------
+def parts_of(v, out):
+    """Append the values a composite lazy array ``v`` is made of (through
+    nested composites)."""
+    for part in v._node.parts:
+        if type(part) is LazyArray and type(part._node) is Composite:
+            parts_of(part, out)
+            continue
+        out.append(part)
+
+
+def composite_value(comp):
+    """The value of a composite read on its own: its operator on its parts."""
+    handle, keys, vals = comp.build
+    args = [row_value(a) if type(a) is LazyArray else a for a in comp.parts]
+    return _mxapi.invoke(handle, args, list(keys), list(vals), None, False, False)
+
+
+# -- reading ----------------------------------------------------------------------------
+def row_value(v):
+    """Concrete NDArray of one lazy value (its rows of the producer's launch)."""
+    node = v._node
+    if node is DETACHED:
+        return v._value
+    if v._value is not None:
+        return v._value
+    if type(node) is Composite:
+        return v.value()
+    src = node.batch[v._k]
+    start, count, _ = extent(node, v._k)
+    if v._view is not None:
+        start += v._view[0]
+        count = v._view[1]
+    if node.mode[0]:
+        with _mxapi.mode_scope(node.mode):
+            if start == 0 and count == src.shape[0]:
+                out = src
+            else:
+                out = _nd.slice_axis(src, axis=0, begin=start, end=start + count)
+            if out.shape != v._shape:
+                out = _mxapi.reshape(out, v._shape)
+        return out
+    out = src if (start == 0 and count == src.shape[0]) else _mxapi.rows(src, start, start + count)
+    if out.shape != v._shape:
+        out = _mxapi.reshape(out, v._shape)
+    return out
+
+
+def force(node):
+    """Make ``node`` computed: run its graph (in its own thread)."""
+    if not _mxapi.hooked():
+        raise StaleValueError(
+            "this lazy array (%s, recorded at %s) was still pending when "
+            "jitbatch.uninstall() ran; nothing can compute it now. Fix: call "
+            "jitbatch.flush() (or read the values) before uninstalling." % (node.info.name, node.site))
+    node.graph.check_thread()
+    execute.run_graph(node.graph, forced=True, reason="read")
+    if node.batch is None:
+        if node.error is not None:
+            raise StaleValueError("the graph of this lazy array failed: %s" % node.error) from node.error
+        raise StaleValueError("this lazy array was not computed by its graph's flush "
+                              "(it was recorded while that graph was executing)")

@@ -1,0 +1,234 @@
+"""Every raw touch of MXNet: its originals captured once, its C API, its op table.
+
+Everything above this module speaks to MXNet through these names, so what
+jitbatch relies on in MXNet's internals can be read in one place. The
+originals are taken when jitbatch is first imported, before ``patch`` replaces
+them. When compiled, the flush's gathers and the record's metadata reads call
+MXNet's C API directly (see ``_mxapi.pxd``): MXNet's Python wrappers around
+those calls (ctypes buffers, argument checks, a Context built per call) cost
+more than the calls themselves."""
+import ctypes
+
+try:
+    import cython   # compiled: the .pxd's C functions are used where cython.compiled
+except ImportError:  # running from source without Cython installed
+    from .. import _nocython as cython
+
+from mxnet import autograd
+from mxnet import ndarray as nd
+from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint, py_str
+from mxnet.contrib import autograd as contrib_autograd
+from mxnet.gluon.block import Block, HybridBlock
+from mxnet.ndarray import NDArray
+from mxnet.ndarray import ndarray as _nd_impl
+from mxnet.ndarray import register
+from mxnet.util import _NumpyArrayScope
+
+# -- originals, captured before jitbatch patches them ----------------------------------
+#: the entry point of every generated imperative operator (``mx.nd.*``)
+invoke = register._imperative_invoke  # pylint: disable=protected-access
+block_call = Block.__call__
+hybrid_forward = HybridBlock.forward
+block_hybridize = Block.hybridize
+hybrid_hybridize = HybridBlock.hybridize
+clear_cached_op = HybridBlock._clear_cached_op  # pylint: disable=protected-access
+get_graph = HybridBlock._get_graph  # pylint: disable=protected-access
+nd_stack = nd.stack
+#: MXNet's autograd-state setters, as (module, names): every Python scope that
+#: changes the state (record, pause, train_mode, predict_mode) goes through them
+AUTOGRAD_SETTERS = ((autograd, ("set_recording", "set_training")),
+                    (contrib_autograd, ("set_is_training",)))
+
+
+def hooked():
+    """Whether jitbatch's operator hook is in place (``patch.install``)."""
+    return register._imperative_invoke is not invoke  # pylint: disable=protected-access
+
+
+# -- operators ---------------------------------------------------------------------------
+_OP_NAMES = {}     # op handle -> name
+_HANDLES = {}      # name -> op handle
+
+
+def _op_table():
+    plist = ctypes.POINTER(ctypes.c_char_p)()
+    size = ctypes.c_uint()
+    check_call(_LIB.MXListAllOpNames(ctypes.byref(size), ctypes.byref(plist)))
+    for i in range(size.value):
+        name = py_str(plist[i])
+        hdl = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(hdl)))
+        _OP_NAMES[hdl.value] = name
+        _HANDLES[name] = hdl.value
+
+
+def op_name(handle):
+    """The registered name of the operator ``handle`` (as the invoke hook sees it)."""
+    if not _OP_NAMES:
+        _op_table()
+    return _OP_NAMES.get(handle, "op#%d" % handle)
+
+
+def op_handle(name):
+    """The handle of operator ``name``."""
+    if not _HANDLES:
+        _op_table()
+    return _HANDLES[name]
+
+
+def run_op(handle, args, keys, vals):
+    """Operator ``handle`` on NDArrays ``args``: a list of its outputs."""
+    out = invoke(handle, args, keys, vals, None, False, True)
+    return out if isinstance(out, list) else [out]
+
+
+# -- autograd and array-semantics state ------------------------------------------------
+_IS_REC = _LIB.MXAutogradIsRecording
+_IS_TRAIN = _LIB.MXAutogradIsTraining
+
+
+def autograd_state():
+    """``(autograd.is_recording(), autograd.is_training())`` from two C calls."""
+    r, t = ctypes.c_bool(), ctypes.c_bool()
+    if _IS_REC(ctypes.byref(r)) or _IS_TRAIN(ctypes.byref(t)):
+        return (autograd.is_recording(), autograd.is_training())  # MXNet's error
+    return (r.value, t.value)
+
+
+def mode_scope(mode):
+    """A scope running under the autograd ``(recording, training)`` state ``mode``."""
+    return autograd._RecordingStateScope(mode[0], mode[1])  # pylint: disable=protected-access
+
+
+_NP_STATE = _NumpyArrayScope._current   # pylint: disable=protected-access
+
+
+def np_array_mode():
+    """``mxnet.util.is_np_array()`` (asked per block call) without its Python frame."""
+    cur = getattr(_NP_STATE, "value", None)
+    return cur is not None and cur._is_np_array  # pylint: disable=protected-access
+
+
+# -- metadata of concrete arrays -------------------------------------------------------
+# Asked per record (a new token array per sample) and again per flush. These read
+# the C-API functions through a handle to the library that keeps the GIL
+# (metadata reads never wait for kernels), so one set of buffers serves every
+# thread. Anything but a plain NDArray goes through MXNet's properties.
+_PYLIB = ctypes.PyDLL(_LIB._name)  # pylint: disable=protected-access
+_ndim = ctypes.c_int()
+_dev_type = ctypes.c_int()
+_dev_id = ctypes.c_int()
+_dtype_code = ctypes.c_int()
+_WIDE = _nd_impl._int64_enabled()  # pylint: disable=protected-access
+if _WIDE:
+    _pshape = ctypes.POINTER(ctypes.c_int64)()
+    _GET_SHAPE = _PYLIB.MXNDArrayGetShapeEx64
+else:
+    _pshape = ctypes.POINTER(ctypes.c_int)()
+    _GET_SHAPE = _PYLIB.MXNDArrayGetShapeEx
+_GET_DTYPE = _PYLIB.MXNDArrayGetDType
+_GET_CONTEXT = _PYLIB.MXNDArrayGetContext
+_NDIM, _PSHAPE = ctypes.byref(_ndim), ctypes.byref(_pshape)
+_DEV_TYPE, _DEV_ID = ctypes.byref(_dev_type), ctypes.byref(_dev_id)
+_DTYPE = ctypes.byref(_dtype_code)
+DTYPES = _nd_impl._DTYPE_MX_TO_NP  # pylint: disable=protected-access
+
+
+def _address(fn):
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _direct_calls():
+    """Compiled: hand the C-API functions' addresses to the C helpers of
+    ``_mxapi.pxd``; False where NDArray's layout is not the one they make
+    (then the ctypes paths run)."""
+    if not cython.compiled:
+        return False
+    ptr = ctypes.sizeof(ctypes.c_void_p)
+    if NDArray.__basicsize__ != object.__basicsize__ + 2 * ptr or \
+            NDArray.__mro__[1].__slots__ != ["handle", "writable"]:
+        return False
+    fns = (_address(_LIB.MXImperativeInvokeEx), _address(_LIB.MXNDArraySlice),
+           _address(_LIB.MXNDArrayReshape64),
+           _address(_LIB.MXNDArrayGetShapeEx64) if _WIDE else None,
+           None if _WIDE else _address(_LIB.MXNDArrayGetShapeEx),
+           _address(_LIB.MXNDArrayGetDType), _address(_LIB.MXNDArrayGetContext))
+    jb_mx_init(fns, NDArray, NDArrayHandle, check_call)  # noqa: F821 (compiled only)
+    return True
+
+
+DIRECT = _direct_calls()
+
+
+def _shape(handle):
+    check_call(_GET_SHAPE(handle, _NDIM, _PSHAPE))
+    n = _ndim.value
+    return None if n == -1 else tuple(_pshape[:n])
+
+
+def concrete_shape(arr):
+    """``arr.shape`` of a concrete array."""
+    if type(arr) is not NDArray:
+        return arr.shape
+    if cython.compiled:
+        if DIRECT:
+            return jb_shape(arr)  # noqa: F821 (compiled only)
+    return _shape(arr.handle)
+
+
+def concrete_meta(arr):
+    """``(shape, dtype, (device type id, device id))`` of a concrete NDArray,
+    or None for any other array type."""
+    if type(arr) is not NDArray:
+        return None
+    if cython.compiled:
+        if DIRECT:
+            shape, code, dev_type, dev_id = jb_meta(arr)  # noqa: F821 (compiled only)
+            return shape, DTYPES[code], (dev_type, dev_id)
+    h = arr.handle
+    shape = _shape(h)
+    check_call(_GET_DTYPE(h, _DTYPE))
+    check_call(_GET_CONTEXT(h, _DEV_TYPE, _DEV_ID))
+    return shape, DTYPES[_dtype_code.value], (_dev_type.value, _dev_id.value)
+
+
+# -- gathers and views -----------------------------------------------------------------
+# A flush issues a few of these per launch; MXNet's generated wrappers (argument
+# checks, np.prod of shapes in reshape, the indexing machinery for a slice)
+# cost more than the calls.
+def take(src, idx):
+    """Rows ``idx`` (an int64 array) of ``src``, along axis 0."""
+    if cython.compiled:
+        if DIRECT:
+            return jb_take(op_handle("take"), src, idx)  # noqa: F821 (compiled only)
+    return invoke(op_handle("take"), [src, idx], ["axis"], ["0"], None, False, False)
+
+
+def concat(srcs):
+    """The arrays ``srcs`` concatenated along axis 0."""
+    if cython.compiled:
+        if DIRECT:
+            return jb_concat(op_handle("Concat"), srcs)  # noqa: F821 (compiled only)
+    return invoke(op_handle("Concat"), srcs, ["num_args", "dim"], [str(len(srcs)), "0"],
+                  None, False, False)
+
+
+def rows(arr, start, stop):
+    """Rows ``start:stop`` of ``arr``: a view (recorded for autograd when recording)."""
+    if cython.compiled:
+        if DIRECT:
+            return jb_rows(arr, start, stop)  # noqa: F821 (compiled only)
+    h = NDArrayHandle()
+    check_call(_LIB.MXNDArraySlice(arr.handle, mx_uint(start), mx_uint(stop), ctypes.byref(h)))
+    return NDArray(handle=h, writable=arr.writable)
+
+
+def reshape(arr, shape):
+    """``arr`` re-viewed as ``shape`` (of the same size, known here)."""
+    if cython.compiled:
+        if DIRECT:
+            return jb_reshape(arr, tuple(shape))  # noqa: F821 (compiled only)
+    h = NDArrayHandle()
+    check_call(_LIB.MXNDArrayReshape64(arr.handle, len(shape), c_array(ctypes.c_int64, shape),
+                                       False, ctypes.byref(h)))
+    return NDArray(handle=h, writable=arr.writable)

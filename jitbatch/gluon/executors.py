@@ -1,0 +1,129 @@
+"""Executors: what runs one batch of a signature's nodes (``SigInfo.op``).
+
+``BlockExec`` runs a block signature's batch as ONE call of the block's
+CachedOp on gathered inputs; ``OpExec`` an operator signature's by its
+batching rule (``rules``), or node by node where it has none. Both offer
+what ``gather.prepare`` and ``backend`` read: ``ctx``, ``in_meta`` (per
+argument its per-sample ``(shape, dtype)``), ``out_meta``, ``pad`` (zero-padded
+arguments: ``{argument: axis}`` or None), ``rounds`` (launch sizes may be
+rounded up: ``config.row_buckets``), ``stages`` (the input-stage plan:
+None until looked for, False where there is none) and ``launch(batch)``."""
+from mxnet import autograd
+from mxnet import ndarray as nd
+from mxnet.gluon.block import _flatten, _regroup
+
+from ..errors import BatchingError
+from . import _mxapi, gather
+from .layout import finish, flat_shape
+from .lazy import LazyArray, row_value
+
+
+class BlockExec(object):
+    """Runs the nodes of one block signature as one call of the block's CachedOp."""
+    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
+                 "stages")
+    rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
+
+    def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None):
+        self.block = block
+        self.fmt = fmt
+        self.in_meta = in_meta
+        self.out_meta = out_meta
+        self.ctx = ctx
+        self.mode = mode
+        self.checked = False
+        self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
+        self.stages = None  # its input-stage plan: None until looked for, False: none
+
+    def launch(self, batch):
+        n = batch[0].group.size     # with filler samples (config.row_buckets)
+        with self.ctx, _mxapi.mode_scope(self.mode):
+            it = iter(gather.gather_batch(batch))
+            flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
+            args = _regroup(flat, self.fmt)
+            out = self.block._call_cached_op(*args)  # pylint: disable=protected-access
+            outs, _ = _flatten(out, "output")
+        if not self.checked:
+            for o, m in zip(outs, self.out_meta):
+                want = flat_shape(m[0], n) if m[0][0] is not None else \
+                    (batch[0].group.rows,) + tuple(m[0][1:])
+                if o.shape != want:
+                    raise BatchingError(
+                        "block %s gave an output of shape %s for %d merged samples of "
+                        "per-sample output shape %s" % (self.block.name, o.shape, n, m[0]))
+            self.checked = True
+        finish(batch, outs)
+
+
+def _format_leaves(fmt):
+    """The leaves of a block's argument format (-1: an argument passed as None)."""
+    if isinstance(fmt, int):
+        if fmt > 0:
+            raise BatchingError("symbol inputs are not supported")
+        return [fmt]
+    res = []
+    for f in fmt:
+        res.extend(_format_leaves(f))
+    return res
+
+
+class OpExec(object):
+    """Runs the nodes of one operator signature by its batching rule ``rule``
+    (``rules.rule_for``; None: one call per node)."""
+    __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
+                 "in_meta", "out_meta", "ctx", "mode", "checked")
+    pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
+    stages = False  # no input stage (see stages.py)
+    rounds = False  # launch sizes exact (config.row_buckets: block launches only)
+
+    def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx, mode):
+        self.handle = handle
+        self.name = name
+        self.kind = rule[0] if rule else None
+        self.keys, self.vals = list(keys), list(vals)
+        self.bkeys, self.bvals = (list(rule[1]), list(rule[2])) if rule else (None, None)
+        self.pads = rule[3] if rule else None
+        self.in_meta = in_meta
+        self.out_meta = out_meta
+        self.ctx = ctx
+        self.mode = mode
+        self.checked = False
+
+    def launch(self, batch):
+        n = len(batch)
+        with self.ctx, _mxapi.mode_scope(self.mode):
+            if self.kind is None:
+                for node in batch:
+                    args = [row_value(x) if type(x) is LazyArray else x for x in node.inputs]
+                    outs = _mxapi.run_op(self.handle, args, self.keys, self.vals)
+                    node.row = 0
+                    node.group.size = 1
+                    finish([node], outs)
+                return
+            ins = gather.gather_batch(batch)
+            if n == 1 or self.kind == "elemwise":
+                # one sample's flat layout is its own shape: the call as recorded
+                outs = _mxapi.run_op(self.handle, ins, self.keys, self.vals)
+            elif self.kind == "reshape":
+                outs = [nd.reshape(ins[0], shape=flat_shape(self.out_meta[0][0], n))]
+            else:
+                ins = [x.reshape((n,) + pad) for x, pad in zip(ins, self.pads)]
+                outs = _mxapi.run_op(self.handle, ins, self.bkeys, self.bvals)
+                outs = [o.reshape(flat_shape(m[0], n)) for o, m in zip(outs, self.out_meta)]
+            if not self.checked and n > 1:
+                for o, m in zip(outs, self.out_meta):
+                    if o.shape != flat_shape(m[0], n):
+                        raise AssertionError(
+                            "jitbatch bug: batching rule %s of %s gave shape %s for %d samples "
+                            "of per-sample shape %s" % (self.kind, self.name, o.shape, n, m[0]))
+                self.checked = True
+        finish(batch, outs)
+
+
+def infer_outputs(handle, metas, keys, vals, ctx):
+    """Per-sample output (shape, dtype) list of an operator, found by running it
+    once on zeros."""
+    with ctx, autograd.pause(train_mode=False):
+        args = [nd.zeros(s, ctx=ctx, dtype=d) for s, d in metas]
+        out = _mxapi.run_op(handle, args, keys, vals)
+    return tuple((o.shape, o.dtype) for o in out)

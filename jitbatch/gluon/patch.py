@@ -1,0 +1,260 @@
+"""The only place that patches MXNet: ``install`` / ``uninstall`` and the thin shims.
+
+Every patch is recorded and reverted by ``uninstall()`` in reverse order. The
+shims only decide whether a call is jitbatch's business and hand it to
+``record``: ``Block.__call__`` and ``HybridBlock.forward`` (flagged block
+calls), MXNet's operator entry point (operators on lazy arrays),
+``nd.stack`` (stacks of lazy rows), ``hybridize`` (the flags, tree-wide),
+``_clear_cached_op`` (new signatures) and ``_get_graph`` (graph rewrites)."""
+import sys
+import threading
+from functools import wraps
+
+from mxnet.gluon.block import Block, HybridBlock
+from mxnet.ndarray import register
+from mxnet import ndarray as _ndmod
+from mxnet.symbol import Symbol
+
+from .. import config as _config
+from .. import execute
+from ..errors import FlagError
+from ..graph import Graph, current_graph
+from ..stats import STATS
+from . import _mxapi, meta, rewrite, signatures
+from .flags import FLAG_KEYS, parse_flags
+from .lazy import LazyArray, detach
+from .modes import drops_mode, forget_mode
+from .record import ROWS_OPS, record_block, record_op, rows_composite, stack
+
+_patches = []          # (owner, name, original) in patch order
+_MISSING = object()
+_tls = threading.local()
+_SCOPES = 0   # unflagged blocks running on lazy arguments, all threads (see _scoped_forward)
+
+
+def installed():
+    return bool(_patches)
+
+
+# -- operators -------------------------------------------------------------------------
+def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
+    """MXNet's ``_imperative_invoke``: an operator with a lazy argument is
+    recorded; one without runs as usual (one type check per argument)."""
+    for a in ndargs:
+        if type(a) is LazyArray:
+            break
+    else:
+        if _SCOPES and ndargs and out is None and not is_np_op:
+            # concrete arguments inside an unflagged block run on lazy ones (a
+            # per-sample loss's label arithmetic): recorded too, so they merge
+            g: Graph = current_graph()
+            if g.scope and not g.executing:
+                return record_op(g, handle, ndargs, keys, vals, output_is_list)
+        return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    if out is not None or is_np_op:
+        if out is not None:  # an in-place write: the target becomes a concrete array
+            for o in (out if isinstance(out, (list, tuple)) else (out,)):
+                if type(o) is LazyArray:
+                    detach(o)
+        return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    g = current_graph()
+    if g.executing:
+        return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
+    kind = ROWS_OPS.get(handle)
+    if kind is not None and not output_is_list:
+        res = rows_composite(kind, handle, ndargs, keys, vals)
+        if res is not None:
+            return res
+    return record_op(g, handle, ndargs, keys, vals, output_is_list)
+
+
+def _stack(*data, **kwargs):
+    """``nd.stack``: a stack of lazy rows becomes a composite directly."""
+    res = stack(data, kwargs)
+    if res is not None:
+        return res
+    return _mxapi.nd_stack(*data, **kwargs)
+
+
+# -- blocks ----------------------------------------------------------------------------
+def _any_lazy(x, args):
+    """Whether a block call's first argument or any other is a lazy array."""
+    if type(x) is LazyArray:
+        return True
+    for a in args:
+        if type(a) is LazyArray:
+            return True
+    return False
+
+
+def _forward(self, x, *args):
+    """``HybridBlock.forward``: a flagged, active block's call is recorded."""
+    if self._jb_cfg is None:
+        if _any_lazy(x, args) and not any(isinstance(a, Symbol) for a in args):
+            return _scoped_forward(self, x, args)
+        return _mxapi.hybrid_forward(self, x, *args)
+    if self._active:
+        if isinstance(x, Symbol):
+            return _mxapi.hybrid_forward(self, x, *args)
+        g: Graph = current_graph()
+        if g.passthrough and not g.nodes and not _any_lazy(x, args):
+            g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
+            return _mxapi.hybrid_forward(self, x, *args)
+        if not g.executing:
+            res = record_block(self, g, x, args, sys._getframe(0))  # pylint: disable=protected-access
+            if res is not None:
+                return res
+    return _mxapi.hybrid_forward(self, x, *args)
+
+
+def _scoped_forward(self, x, args):
+    """An unflagged block called on lazy arrays (a loss on a sample's output)
+    runs operator by operator, so that its operators are recorded and merge
+    across samples: its operators on concrete arguments only (the label's
+    ``log(label + 1e-12)`` of ``KLDivLoss``) are recorded as well while it runs.
+    A hybridized one (``loss.hybridize()``) runs so too: its cached graph would
+    read, and so compute, its lazy arguments in every sample's call."""
+    global _SCOPES
+    g: Graph = current_graph()
+    if g.executing:
+        return _mxapi.hybrid_forward(self, x, *args)
+    active = self._active
+    g.scope += 1
+    _SCOPES += 1
+    try:
+        if active:
+            self._active = False
+        return _mxapi.hybrid_forward(self, x, *args)
+    finally:
+        if active:
+            self._active = True
+        g.scope -= 1
+        _SCOPES -= 1
+
+
+def _call(self, *args):
+    """``Block.__call__`` of a flagged block: if user code raises while
+    recording, the nodes this call recorded are dropped (and their lazy arrays
+    fail loudly when read), so the next minibatch starts clean."""
+    if self._jb_cfg is None:
+        return _mxapi.block_call(self, *args)
+    g: Graph = current_graph()
+    mark = len(g.nodes)
+    try:
+        if args and type(self).forward is _forward and self._active and \
+                not g.executing and not g.passthrough and not self._forward_hooks and \
+                not self._forward_pre_hooks and not _mxapi.np_array_mode():
+            # what Block.__call__ -> HybridBlock.forward would do here, minus two
+            # Python frames: record the call (None: symbols, run it as usual)
+            res = record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access
+            if res is not None:
+                return res
+        return _mxapi.block_call(self, *args)
+    except BaseException as e:
+        if not g.executing and g.discard_since(mark, e):
+            STATS.add(failures=1)
+        raise
+
+
+def _make_hybridize(orig):
+    def hybridize(self, active=True, *args, **kwargs):
+        ours = {k: kwargs.pop(k) for k in FLAG_KEYS if k in kwargs}
+        outer = not getattr(_tls, "inside", False)
+        cfg = parse_flags(self, ours) if outer else None
+        if outer:
+            if cfg is not None and not active:
+                raise FlagError("hybridize(active=False, dynamic_batch=True) on %s: dynamic "
+                                "batching runs hybridized blocks; pass active=True" % self.name)
+            g = current_graph()
+            if g.nodes:  # flags change: run what was recorded under the old ones
+                execute.run_graph(g, reason="flags changed")
+            # new flags: record again before judging; the streak of flushes
+            # that found nothing to merge is kept, so if the next one finds
+            # nothing again its window is as long as the streak has earned (a
+            # flush that merges ends the streak)
+            g.passthrough = 0
+        _tls.inside = True
+        try:
+            orig(self, active, *args, **kwargs)
+        finally:
+            if outer:
+                _tls.inside = False
+        if outer:
+            def setcfg(b):
+                b._jb_cfg = cfg
+            self.apply(setcfg)
+    hybridize.__doc__ = orig.__doc__
+    hybridize.__wrapped__ = orig
+    return hybridize
+
+
+def _clear(self):
+    _mxapi.clear_cached_op(self)
+    self._jb_token = object()  # new structure: old signatures no longer apply
+
+
+def _get_graph(self, *args):
+    """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
+    of :mod:`.rewrite` (once, when the graph is traced; every later use of the
+    block's graph, merged or per sample, runs the rewritten one)."""
+    fresh = not self._cached_graph  # pylint: disable=protected-access
+    res = _mxapi.get_graph(self, *args)
+    if fresh and self._jb_cfg is not None and _config.fast_activations:
+        count = rewrite.rewrite_traced(self)
+        if count:
+            STATS.add(fast_activations=count)
+            res = self._cached_graph  # pylint: disable=protected-access
+    return res
+
+
+# -- install / uninstall --------------------------------------------------------------
+def _set(owner, name, value):
+    _patches.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def install():
+    """Install the hooks (idempotent)."""
+    if _patches:
+        return
+    _set(Block, "_jb_cfg", None)
+    _set(Block, "__call__", _call)
+    _set(HybridBlock, "_jb_token", None)
+    _set(HybridBlock, "_jb_pad", None)
+    _set(HybridBlock, "_jb_pad_names", None)
+    _set(HybridBlock, "forward", _forward)
+    _set(HybridBlock, "_clear_cached_op", _clear)
+    _set(HybridBlock, "_get_graph", _get_graph)
+    _set(Block, "hybridize", _make_hybridize(_mxapi.block_hybridize))
+    _set(HybridBlock, "hybridize", _make_hybridize(_mxapi.hybrid_hybridize))
+    _set(register, "_imperative_invoke", _invoke)
+    # the autograd state is kept per thread between records (see modes): every
+    # Python path that changes it goes through these module functions
+    forget_mode()
+    for owner, names in _mxapi.AUTOGRAD_SETTERS:
+        for name in names:
+            _set(owner, name, drops_mode(getattr(owner, name)))
+    shim = wraps(_mxapi.nd_stack)(_stack)
+    for mod in (_ndmod, _ndmod.op):
+        if getattr(mod, "stack", None) is _mxapi.nd_stack:
+            _set(mod, "stack", shim)
+
+
+def uninstall():
+    """Flush this thread's graph and restore MXNet exactly as it was."""
+    if not _patches:
+        return
+    g = current_graph()
+    if g.nodes:
+        execute.run_graph(g, reason="uninstall")
+    g.release()
+    g.kept_before = []
+    while _patches:
+        owner, name, orig = _patches.pop()
+        if orig is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, orig)
+    forget_mode()
+    signatures.forget()
+    meta.forget()

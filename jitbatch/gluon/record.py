@@ -1,0 +1,257 @@
+"""Recording: a flagged block's call, or an operator on lazy arrays, becomes a node.
+
+A block call is recorded in four phases: its arguments are flattened and
+checked (``_arguments``), its exact call key is looked up (``signatures``:
+a call seen before skips everything else; a new one is traced once), the
+thread's graph takes the node, and the call returns one lazy array per output.
+An operator on lazy arguments is recorded the same way with an operator
+signature. Stacks of per-sample rows and concatenations along axis 0 become
+*composites*: no node, consumers gather the parts' rows directly.
+
+The hot path skips what it provably does not need: signatures are found
+once per exact call, the autograd mode is kept per graph (``modes``), call
+sites are (code, offset) pairs (``sites``)."""
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # running from source without Cython installed
+    from .. import _nocython as cython
+
+from mxnet.gluon.block import _flatten, _regroup
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from .. import config as _config
+from .. import cost, execute, pipeline
+from ..errors import BatchingError
+from ..graph import Composite, Graph, current_graph
+from ..signature import SigInfo
+from . import _mxapi
+from .backend import BACKEND
+from .lazy import LazyArray, new_lazy
+from .meta import meta
+from .modes import mode
+from .signatures import EXACT, EXACT_ARGS, block_signature, exact_key, op_signature, pad_size
+from .sites import site, site_of
+
+_FLAT_IN = {n: [0] * n for n in range(1, 16)}   # formats of n plain array arguments
+_FLAT = {n: [0] * n for n in range(1, 16)}      # ... of n plain outputs
+_FLAT[1] = 0
+
+
+def limit(policy, mode_):
+    """Pending nodes at which a new graph runs itself: ``max_pending``, or under
+    'auto' the cost model's chunk size for pipelined flushes (where the kernels
+    leave a core to Python)."""
+    n = _config.max_pending
+    if policy == "auto" and _config.pipeline and pipeline.FREE_CORE:
+        chunk = pipeline.PIPELINES.limit(mode_, cost.MODEL.launch_price())
+        if chunk is not None and chunk < n:
+            n = chunk
+    return n
+
+
+def maybe_autoflush(g):
+    """Run the pending graph if it reached its size limit (a pipelined chunk, or
+    the ``max_pending`` bound)."""
+    gr: Graph = g
+    if len(gr.nodes) >= gr.limit:
+        execute.run_graph(gr, reason="limit" if gr.limit >= _config.max_pending
+                          else "pipeline")
+
+
+def _begin(g, cfg, mode_):
+    """The first record of a graph: it takes the flags of the call's block and
+    its size limit, and the backend that runs it."""
+    gr: Graph = g
+    if cfg is not None:
+        gr.policy, gr.budget, gr.granularity = cfg.policy, cfg.budget, cfg.granularity
+    gr.backend = BACKEND
+    gr.limit = limit(gr.policy or "auto", mode_)
+
+
+# -- blocks ---------------------------------------------------------------------------
+def record_block(block, g, x, args, frame):
+    """Record ``block(x, *args)`` in the thread's graph ``g`` (``frame``: the
+    caller's, for the call site); its outputs as lazy arrays, or None where
+    the call holds symbols (MXNet is tracing: run it as usual)."""
+    allargs = (x,) + args
+    flat, fmt, fkey = _arguments(block, allargs)
+    if flat is None:
+        return None
+    mode_ = mode(g)
+    key, ctx = exact_key(block, fkey, mode_, flat)
+    info = EXACT.get(key)     # this exact call seen before: its signature
+    if info is None:
+        info = block_signature(block, allargs, flat, fmt, fkey, mode_, key)
+    gr: Graph = g
+    if not gr.nodes:
+        _begin(g, block._jb_cfg, mode_)
+    si: SigInfo = info
+    out_meta = si.out_meta
+    site_ = site_of(frame)
+    if out_meta and out_meta[0][0][0] is None:       # ragged: outputs keep the lead
+        lead = key[EXACT_ARGS][0]
+        node = gr.add(info, tuple(flat), site_, mode_, lead)
+        outs = [new_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
+                for k, m in enumerate(out_meta)]
+    else:
+        node = gr.add(info, tuple(flat), site_, mode_)
+        if si.pad_axes is not None:
+            node.pad = pad_size(key, si.pad_axes)
+        outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(out_meta)]
+    maybe_autoflush(g)
+    ofmt = block._out_format  # pylint: disable=protected-access
+    if ofmt == _FLAT.get(len(outs)):
+        return outs if len(outs) > 1 else outs[0]
+    return _regroup(outs, ofmt)
+
+
+def _arguments(block, allargs):
+    """``(flat arrays, format, format key)`` of a block call's arguments, or
+    ``(None, None, None)`` where they hold symbols; BatchingError naming the
+    argument that is not an array."""
+    for a in allargs:
+        t = type(a)
+        if t is not LazyArray and t is not NDArray:
+            break
+    else:        # the common case: plain arrays
+        n = len(allargs)
+        return allargs, (_FLAT_IN[n] if n < 16 else [0] * n), n
+    for i, a in enumerate(allargs):
+        if not isinstance(a, (NDArray, Symbol, list, tuple)) and a is not None:
+            raise BatchingError(
+                "block %s: argument %d has type %s; a flagged block takes NDArrays "
+                "(or nested lists of them). Fix: convert it with mx.nd.array(...)."
+                % (block.name, i, type(a).__name__))
+    try:
+        flat, fmt = _flatten(allargs, "input")
+    except ValueError as e:
+        raise BatchingError("block %s: %s; a flagged block takes NDArrays (or nested "
+                            "lists of them). Fix: convert it with mx.nd.array(...)."
+                            % (block.name, e)) from e
+    for a in flat:
+        if isinstance(a, Symbol):
+            return None, None, None
+    flat = [a for a in flat if a is not None]
+    for a in flat:
+        if not isinstance(a, NDArray):
+            raise BatchingError("block %s: argument of type %s; expected NDArray"
+                                % (block.name, type(a).__name__))
+    return flat, fmt, str(fmt)
+
+
+# -- operators ------------------------------------------------------------------------
+def record_op(g, handle, ndargs, keys, vals, output_is_list):
+    """Record operator ``handle`` on ``ndargs`` (at least one lazy, or inside an
+    unflagged block run on lazy arrays) in the thread's graph ``g``."""
+    mc = [meta(a) for a in ndargs]
+    mode_ = mode(g)
+    info = op_signature(handle, keys, vals, mc, mode_, output_is_list)
+    gr: Graph = g
+    if not gr.nodes:
+        _begin(g, None, mode_)
+    node = gr.add(info, tuple(ndargs), site(), mode_)
+    ctx = mc[0][2]
+    outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]
+    maybe_autoflush(g)
+    if len(outs) == 1 and not output_is_list:
+        return outs[0]
+    return outs
+
+
+# -- composites: stacks of rows, concatenations along axis 0 --------------------------
+ROWS_OPS = {}   # op handle -> 'stack' | 'concat': operators that can be composites
+_STACK_KEYS = ("axis", "num_args")
+_STACK_BUILD = {}   # n -> how a composite of n rows stacked along axis 1 is built
+
+
+def _rows_ops():
+    ROWS_OPS[_mxapi.op_handle("stack")] = "stack"
+    ROWS_OPS[_mxapi.op_handle("concat")] = "concat"
+    ROWS_OPS[_mxapi.op_handle("Concat")] = "concat"
+
+
+_rows_ops()
+_STACK_OP = _mxapi.op_handle("stack")
+
+
+def _stack_build(n):
+    b = _STACK_BUILD.get(n)
+    if b is None:
+        b = _STACK_BUILD[n] = (_STACK_OP, _STACK_KEYS, ("1", str(n)))
+    return b
+
+
+def rows_composite(kind, handle, ndargs, keys, vals):
+    """A stack along axis 1 of per-sample (1, ...) arrays, or a concat along
+    axis 0, is only its inputs' rows side by side: a Composite, no node. Its
+    consumers gather those rows directly (one take instead of a launch).
+    None where the call is not such a case."""
+    at = None
+    for k, v in zip(keys, vals):
+        if k == "axis" or k == "dim":
+            at = v
+    mc = [meta(a) for a in ndargs]
+    s0, d0, c0 = mc[0]
+    if not s0:
+        return None
+    for m in mc:
+        if (m[1] is not d0 and m[1] != d0) or (m[2] is not c0 and m[2] != c0):
+            return None
+    if kind == "stack":
+        axis = int(at) if at is not None else 0
+        if axis < 0:
+            axis += len(s0) + 1
+        if axis != 1 or s0[0] != 1:
+            return None
+        for m in mc:
+            if m[0] != s0:
+                return None
+        shape = (1, len(ndargs)) + s0[1:]
+    else:
+        dim = int(at) if at is not None else 1
+        if dim < 0:
+            dim += len(s0)
+        rest = s0[1:]
+        if dim != 0 or any(m[0][1:] != rest for m in mc):
+            return None
+        shape = (sum(m[0][0] for m in mc),) + rest
+    return new_lazy(Composite(tuple(ndargs), (handle, keys, vals), mode(current_graph())), 0,
+                    shape, d0, c0, None)
+
+
+def stack(data, kwargs):
+    """``nd.stack(*data, **kwargs)`` of lazy arrays as a composite, checked
+    inline for the common case (lazy (1, ...) rows alike in shape, dtype and
+    device, stacked along axis 1: MXNet's generated wrapper and the operator
+    hook cost more than the rest), else through ``rows_composite``; None where
+    it is not a composite (the caller runs MXNet's stack)."""
+    if data and len(kwargs) == 1 and kwargs.get("axis") == 1:
+        a = data[0]
+        if type(a) is LazyArray:
+            la: LazyArrayT = a
+            s0, d0, c0 = la._shape, la._dtype, la._ctx
+            if s0 and s0[0] == 1:
+                for b in data:
+                    if type(b) is not LazyArray:
+                        break
+                    la = b
+                    if (la._shape is not s0 and la._shape != s0) or la._dtype is not d0 \
+                            or la._ctx is not c0:
+                        break
+                else:
+                    g: Graph = current_graph()
+                    if not g.executing:
+                        n = len(data)
+                        return new_lazy(Composite(data, _stack_build(n), mode(g)), 0,
+                                        (1, n) + s0[1:], d0, c0, None)
+    if data and (not kwargs or kwargs.keys() <= {"axis"}):
+        for a in data:
+            if type(a) is LazyArray:
+                if current_graph().executing or \
+                        not all(type(b) is LazyArray or type(b) is NDArray for b in data):
+                    break
+                axis = kwargs.get("axis", 0)
+                return rows_composite("stack", _STACK_OP, data, _STACK_KEYS,
+                                      (str(axis), str(len(data))))
+    return None

@@ -1,0 +1,222 @@
+"""Batching rules for MXNet NDArray operators applied to lazy arrays: a registry.
+
+A rule maps one per-sample call onto one call over N samples. It is found once
+per signature, ``rule_for(name, keys, vals, in_shapes, out_shapes)``, and is
+``(kind, keys, vals, pads)`` or None:
+
+* ``elemwise``: the operator runs on the flat layout as recorded;
+* ``reshape``: the flat data is re-viewed (``Reshape`` and its kin);
+* ``stacked``: each input is viewed as ``(N, *pads[i])``, axis attributes
+  shifted past the new batch axis (``keys``/``vals`` are the batched call's),
+  and the result flattened back.
+
+Rules are registered per operator name by family helpers, so adding an
+operator is one line below. An operator with no rule still stays lazy: it runs
+one launch per node at flush time."""
+import ast
+
+#: operator name -> rule function(attrs, keys, vals, in_shapes, out_shapes)
+RULES = {}
+
+
+def _parse(v):
+    if not isinstance(v, str):
+        return v
+    try:
+        return ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+        return v
+
+
+def _norm_axes(axis, ndim):
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    out = []
+    for a in axes:
+        a = int(a)
+        if a < 0:
+            a += ndim
+        if not 0 <= a < ndim:
+            return None
+        out.append(a)
+    return tuple(out)
+
+
+def _shifted(keys, vals, **changes):
+    """``keys``/``vals`` with the attributes in ``changes`` replaced or added."""
+    keys = list(keys)
+    vals = list(vals)
+    for k, v in changes.items():
+        if k in keys:
+            vals[keys.index(k)] = v
+        else:
+            keys.append(k)
+            vals.append(v)
+    return keys, vals
+
+
+def rule_for(name, keys, vals, in_shapes, out_shapes):
+    """``(kind, keys, vals, pads)`` for one operator signature, or None (no rule)."""
+    fn = RULES.get(name)
+    if fn is None or not in_shapes:
+        return None
+    attrs = {k: _parse(v) for k, v in zip(keys, vals)}
+    return fn(attrs, list(keys), list(vals), [tuple(s) for s in in_shapes],
+              [tuple(s) for s in out_shapes])
+
+
+def _register(names, fn):
+    for name in names.split():
+        RULES[name] = fn
+
+
+# -- families ---------------------------------------------------------------------------
+def _same_elemwise(attrs, keys, vals, ins, outs):
+    """Every input and output of one shape: the flat layout is the same operator."""
+    if all(s == ins[0] for s in ins) and all(s == ins[0] for s in outs) and "axes" not in attrs:
+        return ("elemwise", keys, vals, None)
+    return None
+
+
+def elemwise(names):
+    """Operators that act element by element on equally shaped arrays."""
+    _register(names, _same_elemwise)
+
+
+def _broadcasting(attrs, keys, vals, ins, outs):
+    if all(s == ins[0] for s in ins):
+        return _same_elemwise(attrs, keys, vals, ins, outs)
+    rank = max(len(s) for s in ins)
+    return ("stacked", keys, vals, [(1,) * (rank - len(s)) + s for s in ins])
+
+
+def broadcast(names):
+    """Broadcasting binary operators: elementwise when the shapes agree, else
+    each input rank-padded to the largest and stacked along a new batch axis."""
+    _register(names, _broadcasting)
+
+
+def _reshaping(attrs, keys, vals, ins, outs):
+    return ("reshape", keys, vals, None)
+
+
+def reshape(names):
+    """Operators that only re-view the data (the flat layout is re-viewed)."""
+    _register(names, _reshaping)
+
+
+def _reducing(name):
+    def rule(attrs, keys, vals, ins, outs):
+        nd_in = len(ins[0])
+        axis = attrs.get("axis", None)
+        if axis is None or axis == ():
+            if attrs.get("exclude") or name in ("argmax", "argmin"):
+                return None
+            axes = tuple(range(nd_in))
+        else:
+            axes = _norm_axes(axis, nd_in)
+            if axes is None:
+                return None
+        new = tuple(a + 1 for a in axes)
+        if attrs.get("exclude"):
+            new = (0,) + new
+        if name == "norm" and len(new) > 2:
+            return None
+        if name in ("argmax", "argmin"):
+            if len(new) != 1:
+                return None
+            new = new[0]
+        k2, v2 = _shifted(keys, vals, axis=str(new))
+        return ("stacked", k2, v2, ins)
+    return rule
+
+
+def reduce(names):
+    """Reductions over an ``axis`` attribute (all axes when absent)."""
+    for name in names.split():
+        RULES[name] = _reducing(name)
+
+
+def one_axis(name, attr, default, rank_of="in"):
+    """An operator with one axis attribute ``attr`` (``default`` when absent; None:
+    no rule without it) counted in the input's rank (``rank_of='in'``) or the
+    output's (``'out'``)."""
+    def rule(attrs, keys, vals, ins, outs):
+        if name in ("softmax", "log_softmax") and attrs.get("use_length"):
+            return None
+        axis = attrs.get(attr, default)
+        if axis is None:
+            return None
+        rank = len(ins[0]) if rank_of == "in" else len(outs[0])
+        axes = _norm_axes(axis, rank)
+        if axes is None:
+            return None
+        new = tuple(a + 1 for a in axes)
+        new = new[0] if not isinstance(axis, (tuple, list)) else new
+        k2, v2 = _shifted(keys, vals, **{attr: str(new)})
+        return ("stacked", k2, v2, ins)
+    RULES[name] = rule
+
+
+def _transpose(attrs, keys, vals, ins, outs):
+    nd_in = len(ins[0])
+    axes = _norm_axes(attrs.get("axes") or tuple(reversed(range(nd_in))), nd_in)
+    if axes is None:
+        return None
+    k2, v2 = _shifted(keys, vals, axes=str((0,) + tuple(a + 1 for a in axes)))
+    return ("stacked", k2, v2, ins)
+
+
+def _slice(attrs, keys, vals, ins, outs):
+    def pre(t):
+        t = attrs.get(t, ())
+        t = tuple(t) if isinstance(t, (tuple, list)) else (t,)
+        return str((None,) + t)
+    changes = {"begin": pre("begin"), "end": pre("end")}
+    if "step" in attrs:
+        changes["step"] = pre("step")
+    k2, v2 = _shifted(keys, vals, **changes)
+    return ("stacked", k2, v2, ins)
+
+
+def _dropout(attrs, keys, vals, ins, outs):
+    # a mask drawn per element is drawn per sample; one shared along ``axes`` is not
+    if attrs.get("axes"):
+        return None
+    return ("elemwise", keys, vals, None)
+
+
+# -- the registry ------------------------------------------------------------------------
+elemwise("""
+Activation sigmoid tanh relu softsign exp expm1 log log1p log2 log10 sqrt rsqrt cbrt square abs
+negative reciprocal sign floor ceil round rint fix trunc sin cos tan arcsin arccos arctan sinh
+cosh arcsinh arccosh arctanh erf erfinv gamma gammaln degrees radians clip Cast cast
+zeros_like ones_like _copy identity BlockGrad stop_gradient make_loss MakeLoss
+elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _minus _mul _div _Plus _Minus _Mul _Div
+_grad_add _maximum _minimum _power _hypot _mod
+_plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar _power_scalar
+_rpower_scalar _maximum_scalar _minimum_scalar _hypot_scalar _mod_scalar _rmod_scalar
+_equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
+_lesser_equal_scalar _logical_and_scalar _logical_or_scalar _logical_xor_scalar logical_not
+add_n ElementWiseSum _equal _not_equal _greater _greater_equal _lesser _lesser_equal
+smooth_l1 hard_sigmoid softrelu log_sigmoid mish
+""")
+broadcast("""
+broadcast_add broadcast_sub broadcast_mul broadcast_div broadcast_plus broadcast_minus
+broadcast_maximum broadcast_minimum broadcast_power broadcast_hypot broadcast_mod
+broadcast_equal broadcast_not_equal broadcast_greater broadcast_greater_equal
+broadcast_lesser broadcast_lesser_equal broadcast_logical_and broadcast_logical_or
+broadcast_logical_xor
+""")
+reshape("Reshape reshape expand_dims squeeze Flatten flatten")
+reduce("sum mean max min prod nansum nanprod norm sum_axis max_axis min_axis argmax argmin")
+for _name, _attr, _default, _rank in (
+        ("softmax", "axis", -1, "in"), ("log_softmax", "axis", -1, "in"),
+        ("slice_axis", "axis", None, "in"), ("SliceChannel", "axis", 1, "in"),
+        ("split", "axis", 1, "in"), ("flip", "axis", None, "in"),
+        ("reverse", "axis", None, "in"), ("sort", "axis", -1, "in"),
+        ("argsort", "axis", -1, "in"), ("concat", "dim", 1, "in"), ("Concat", "dim", 1, "in"),
+        ("stack", "axis", 0, "out")):
+    one_axis(_name, _attr, _default, _rank)
+RULES["transpose"] = _transpose
+RULES["slice"] = _slice
+RULES["Dropout"] = _dropout

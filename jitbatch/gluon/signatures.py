@@ -1,0 +1,315 @@
+"""Signatures on MXNet: the layout of every key, and what a new signature holds.
+
+Two kinds of keys, both owned here:
+
+* the *exact call* key of a block call, built on every record and looked up in
+  ``EXACT`` (a call seen before skips everything else):
+  ``(block, token, argument format, autograd mode, device, shape0, dtype0,
+  shape1, dtype1, ...)`` (``exact_key``);
+* *signature* keys of ``TABLE`` (what must be equal for nodes to merge),
+  made once per new exact call: ``(kind, owner, token, *rest)`` for the block
+  kinds (``owner`` the block's id, ``token`` its renewal token: a block
+  hybridized again gets new signatures), ``(OP, handle, ...)`` for operators.
+  A block signature's launch measurements carry over to its renewal
+  (``new_info``: keyed by ``stable(key)``, the key without its token).
+
+A new block signature is found by tracing the block once (MXNet's
+``_get_graph``) and MXNet's shape inference at the call's shapes and at twice
+the rows (outputs must scale along axis 0), at an odd length (outputs that
+keep any shared leading length make the signature *ragged*), and for
+zero-padded blocks at one more along the padded axes."""
+import numpy as np
+
+from ..errors import BatchingError
+from ..signature import SigInfo, SignatureTable
+from ..stats import STATS
+from .executors import BlockExec, OpExec, infer_outputs
+from .flags import pad_names
+from .lazy import LazyArray
+from .meta import check_ctx, meta
+from . import _mxapi
+from .rules import rule_for
+
+TABLE = SignatureTable()
+EXACT = {}      # exact call key -> SigInfo (bounded by TABLE.limit)
+_MEASURED = {}  # block signature key without its token -> its latest SigInfo
+
+#: where the arguments' (shape, dtype) pairs start in an exact call key
+EXACT_ARGS = 5
+
+# signature kinds (a key's first item)
+PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN, OP = (
+    "block", "ragged", "padded", "input stage", "main stage", "op")
+BLOCK_KINDS = (PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN)
+
+
+def exact_key(block, fkey, mode, flat):
+    """``(exact call key, device of the first array)`` of a call of ``block`` on
+    the arrays ``flat`` (``fkey``: its argument format). Every context is its
+    device's one ``Device``, so a call on one device (the usual case) puts in
+    its number once; a call mixing devices puts in all of them."""
+    key = [block, block._jb_token, fkey, mode, None]
+    ctx = mixed = None
+    la: LazyArrayT
+    for a in flat:
+        if type(a) is LazyArray:
+            la = a
+            key.append(la._shape)
+            key.append(la._dtype)
+            c = la._ctx
+        else:
+            m = meta(a)
+            key.append(m[0])
+            key.append(m[1])
+            c = m[2]
+        if c is not ctx:
+            if ctx is None:
+                ctx = c
+            elif mixed is None:
+                mixed = [ctx]
+        if mixed is not None:
+            mixed.append(c)
+    key[4] = ctx._jb_id if mixed is None else tuple(mixed)
+    return tuple(key), ctx
+
+
+def block_key(kind, block, *rest):
+    """A block signature key of ``kind``."""
+    return (kind, id(block), block._jb_token) + rest
+
+
+def derived_key(kind, parent, *rest):
+    """The key of a signature of ``kind`` made from block signature ``parent``
+    (an input or main stage): the same owner and token, so it is renewed and
+    measured like its parent."""
+    return (kind, parent[1], parent[2]) + rest
+
+
+def stable(key):
+    """A block signature key without its renewal token."""
+    return key[:2] + key[3:]
+
+
+def pad_size(exact, pads):
+    """A call's size along its zero-padded axes ``pads`` ((input, axis) pairs;
+    the largest, if several), from the input shapes in its exact key."""
+    k = 0
+    for i, axis in pads:
+        s = exact[EXACT_ARGS + 2 * i][axis]
+        if s > k:
+            k = s
+    return k
+
+
+def new_info(sid, key, ex, out_meta, batchable, name):
+    """The SigInfo of a new signature; a block's takes over the launch
+    measurements of the signature it renews (the same call, re-hybridized)."""
+    STATS.add(signatures=1)
+    info = SigInfo(sid, key, ex, out_meta, batchable, name)
+    if key[0] in BLOCK_KINDS:
+        s = stable(key)
+        old = _MEASURED.get(s)
+        if old is not None:
+            info.inherit(old)
+        elif len(_MEASURED) >= TABLE.limit:
+            _MEASURED.clear()
+        _MEASURED[s] = info
+    return info
+
+
+def forget():
+    """Drop every signature (``uninstall``; block instances keep inert tokens)."""
+    TABLE.clear()
+    EXACT.clear()
+    _MEASURED.clear()
+
+
+# -- operators ------------------------------------------------------------------------
+def op_signature(handle, keys, vals, metas, mode, output_is_list):
+    """The signature of an operator call on arguments of ``metas``."""
+    vkey = tuple(vals)
+    try:
+        hash(vkey)
+    except TypeError:
+        vkey = tuple(str(v) for v in vals)
+    # every argument's context is in the key (as for blocks), so a call mixing
+    # contexts never reuses a signature whose first call passed the check
+    key = (OP, handle, tuple(keys), vkey, tuple(metas), mode, output_is_list)
+    info = TABLE.get(key)
+    if info is None:
+        shapes = tuple((m[0], m[1]) for m in metas)
+        name = _mxapi.op_name(handle)
+        ctx = check_ctx(metas, "operator %s" % name)
+        out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
+        svals = [str(v) for v in vals]
+        rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
+                        [m[0] for m in out_meta])
+        ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx, mode)
+        info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, rule is not None,
+                                                   name))
+    return info
+
+
+# -- blocks -------------------------------------------------------------------------------
+_NOT_RAGGED = object()   # TABLE's entry for a ragged key whose block is not ragged
+
+
+def block_signature(block, allargs, flat, fmt, fkey, mode, exact):
+    """The signature of a call of ``block`` not seen before (``exact``: its exact
+    call key, ``flat`` its arrays, ``allargs`` its arguments as given)."""
+    mc = [meta(a) for a in flat]
+    shape0 = exact[EXACT_ARGS]
+    lead = shape0[0] if shape0 else None
+    pad = block._jb_pad
+    skey = rkey = info = None
+    if pad is not None:
+        skey = _padded_key(block, pad, fmt, mc, mode, fkey)
+    else:
+        skey = (PLAIN, id(block)) + exact[1:]
+        if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
+            rkey = block_key(RAGGED, block, fkey, tuple([(m[0][1:], m[1]) for m in mc]),
+                             mc[0][2], mode)
+            info = TABLE.get(rkey)
+            if info is _NOT_RAGGED:
+                info = rkey = None
+    if info is None:
+        info = TABLE.get(skey)
+        if info is None:
+            info = _trace(block, allargs, flat, fmt, mc, mode, skey, rkey, pad)
+    if len(EXACT) >= TABLE.limit:
+        EXACT.clear()
+    EXACT[exact] = info
+    return info
+
+
+def _padded_key(block, pad, fmt, mc, mode, fkey):
+    """The signature key of a call to a block with zero-padded inputs: their
+    sizes along the padded axes are left out of it."""
+    if type(fkey) is not int:
+        raise BatchingError(
+            "block %s: zero_pad(%s) needs the block's inputs passed as separate arrays, "
+            "but it was called with nested lists (%s). Fix: stack each list into one "
+            "array (e.g. nd.stack(*children, axis=1))." % (block.name, pad_names(block), fmt))
+    pmc = list(mc)
+    for i, axis in pad.items():
+        if i >= len(mc):
+            raise BatchingError("block %s: zero_pad(%s) names input %d, but the call passed "
+                                "%d arrays" % (block.name, pad_names(block), i, len(mc)))
+        shape = mc[i][0]
+        if len(shape) <= axis:
+            raise BatchingError(
+                "block %s: zero_pad(%s) pads input %d along axis %d, but it has shape %s "
+                "(%d axes). Fix: pass it with the padded axis (e.g. shape (1, K, H)) or "
+                "change the declared axis." % (block.name, pad_names(block), i, axis,
+                                                shape, len(shape)))
+        pmc[i] = (shape[:axis] + (None,) + shape[axis + 1:], mc[i][1], mc[i][2])
+    return block_key(PADDED, block, fkey, tuple(pmc), mode)
+
+
+def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
+    """Trace ``block`` and make the signature of a call on ``mc`` (per argument
+    (shape, dtype, device)): plain under ``key``, ragged under ``rkey`` where
+    its outputs keep any leading length, zero-padded where ``pad`` declares."""
+    ctx = check_ctx(mc, "block %s" % block.name)
+    try:
+        inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
+    except Exception as e:
+        raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
+                            % (block.name, type(e).__name__, e)) from e
+    if block._in_format != fmt:  # pylint: disable=protected-access
+        raise BatchingError(
+            "block %s was first called with argument structure %s and now with %s; a "
+            "hybridized block keeps one structure. Fix: pass a varying number of arrays "
+            "as one stacked array (e.g. nd.stack(*children, axis=1))."
+            % (block.name, block._in_format, fmt))  # pylint: disable=protected-access
+    names = [s.name for s in inputs]
+    shapes = [m[0] for m in mc]
+    dtypes = [m[1] for m in mc]
+    for i, s in enumerate(shapes):
+        if len(s) == 0:
+            raise BatchingError("block %s: argument %d has shape (); batching concatenates "
+                                "along axis 0. Fix: give it a leading axis." % (block.name, i))
+    kinds = sorted(set(np.dtype(d).name for d in dtypes))
+    if len(kinds) > 1:
+        first = np.dtype(dtypes[0]).name
+        odd = next(i for i, d in enumerate(dtypes) if np.dtype(d).name != first)
+        raise BatchingError(
+            "block %s: argument %d is %s but argument 0 is %s; a call's arrays must share "
+            "one dtype. Fix: cast it with .astype('%s')."
+            % (block.name, odd, np.dtype(dtypes[odd]).name, first, first))
+    try:
+        _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
+        _, o2, _ = out.infer_shape_partial(
+            **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
+        _, ot, _ = out.infer_type(**dict(zip(names, dtypes)))
+    except Exception as e:
+        raise BatchingError("block %s: output shapes cannot be inferred from inputs %s: %s"
+                            % (block.name, shapes, e)) from e
+    for k, (a, b) in enumerate(zip(o1, o2)):
+        if not a or 0 in a or not b:
+            raise BatchingError("block %s: the shape of output %d cannot be inferred from "
+                                "input shapes %s" % (block.name, k, shapes))
+        if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
+            raise BatchingError(
+                "block %s cannot be batched along axis 0: for inputs %s its output %d has "
+                "shape %s, but for twice the rows it has %s (expected %s). Dynamic "
+                "batching concatenates samples along axis 0, so every output row must "
+                "depend only on its own sample. Fix: keep a per-sample leading axis (e.g. "
+                "shape (1, K, H) instead of (K, H)) or hybridize this block without "
+                "dynamic_batch." % (block.name, shapes, k, a, b,
+                                    (2 * a[0],) + tuple(a[1:])))
+    out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
+    in_meta = tuple(zip(shapes, dtypes))
+    if pad is not None:
+        _check_pad_outputs(block, out, names, shapes, o1, pad)
+        in_meta = tuple((s[:pad[i]] + (None,) + s[pad[i] + 1:] if i in pad else s, d)
+                        for i, (s, d) in enumerate(in_meta))
+    elif rkey is not None and _rowwise_any_length(out, names, shapes, o1):
+        # ragged: samples of any leading length merge; sizes live on the nodes
+        out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
+        ex = BlockExec(block, fmt, tuple(((None,) + tuple(s[1:]), d)
+                                         for s, d in zip(shapes, dtypes)), out_meta, ctx, mode)
+        return TABLE.add(rkey, lambda sid: new_info(sid, rkey, ex, out_meta, True, block.name))
+    if rkey is not None:
+        TABLE.add(rkey, lambda sid: _NOT_RAGGED)
+    ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, pad and dict(pad))
+    info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, True, block.name))
+    if pad is not None:
+        info.pad_axes = tuple(sorted(pad.items()))
+    return info
+
+
+def _check_pad_outputs(block, out, names, shapes, o1, pad):
+    """Outputs of a zero-padded block must not change shape with the padded size."""
+    grown = [tuple(s[:pad[i]]) + (s[pad[i]] + 1,) + tuple(s[pad[i] + 1:]) if i in pad else s
+             for i, s in enumerate(shapes)]
+    try:
+        _, o3, _ = out.infer_shape_partial(**dict(zip(names, grown)))
+    except Exception as e:
+        raise BatchingError("block %s: zero_pad(%s) declared, but the block cannot take "
+                            "inputs of shapes %s (one more along the padded axes): %s"
+                            % (block.name, pad_names(block), grown, e)) from e
+    for k, (a, b) in enumerate(zip(o1, o3)):
+        if tuple(a) != tuple(b):
+            raise BatchingError(
+                "block %s: zero_pad(%s) declared, but its output %d has shape %s for inputs "
+                "%s and %s when the padded axes grow by one (%s); padding must not change "
+                "the outputs' shapes. Fix: reduce over the padded axis inside the block "
+                "(e.g. a sum over children), or drop the declaration with "
+                "jitbatch.zero_pad(block)." % (block.name, pad_names(block), k, tuple(a),
+                                               shapes, tuple(b), grown))
+
+
+def _rowwise_any_length(out, names, shapes, o1):
+    """True if every output keeps the inputs' shared leading length L, checked by
+    shape inference at L and at a length no multiple of it."""
+    length = shapes[0][0]
+    if any(a[0] != length for a in o1):
+        return False
+    other = 2 * length + 1
+    try:
+        _, o3, _ = out.infer_shape_partial(
+            **{nm: (other,) + tuple(s[1:]) for nm, s in zip(names, shapes)})
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:]) for a, b in zip(o1, o3))
