@@ -21,17 +21,46 @@ def source(name):
     return os.path.relpath(compiled.source_of(name), HERE)
 
 
+def _record(path):
+    """The build record beside the extension file ``path``."""
+    return os.path.join(os.path.dirname(path), os.path.basename(path).split(".", 1)[0] + ".built")
+
+
+def _built_from(path, source):
+    """Whether extension file ``path`` exists and was compiled from ``source`` as it is now."""
+    try:
+        with open(_record(path)) as f:
+            return os.path.exists(path) and f.read().strip() == compiled.digest(source)
+    except OSError:
+        return False
+
+
 class BuildExt(build_ext):
     """build_ext that records, beside each built extension, the SHA-256 of the
-    source it came from (jitbatch runs the source if they differ)."""
+    source it came from (jitbatch runs the source if they differ), and does
+    not compile an extension again whose build beside its source (an
+    editable install's) was made from today's source: a reinstall with nothing
+    changed compiles nothing."""
+
+    def build_extension(self, ext):
+        path = self.get_ext_fullpath(ext.name)
+        src = compiled.source_of(ext.name)
+        beside = os.path.join(os.path.dirname(src), os.path.basename(path))
+        if _built_from(beside, src):
+            if os.path.abspath(beside) != os.path.abspath(path):
+                self.mkpath(os.path.dirname(path))
+                self.copy_file(beside, path)
+                self.copy_file(_record(beside), _record(path))
+            print("jitbatch: %s unchanged since it was compiled: not compiled again" % ext.name)
+            return
+        super().build_extension(ext)
 
     def run(self):
         super().run()
         for ext in self.extensions:
             path = self.get_ext_fullpath(ext.name)
             if os.path.exists(path):
-                leaf = ext.name.rsplit(".", 1)[1]
-                with open(os.path.join(os.path.dirname(path), leaf + ".built"), "w") as f:
+                with open(_record(path), "w") as f:
                     f.write(compiled.digest(compiled.source_of(ext.name)) + "\n")
 
 

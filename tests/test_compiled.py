@@ -163,3 +163,24 @@ def test_gather_calls_match_mxnets_own():
     assert _mxapi.concrete_shape(nd.zeros((5,))) == (5,)
     with pytest.raises(mx.base.MXNetError, match="Concat|concat|shape"):
         _mxapi.concat([a, nd.zeros((2, 5))]).asnumpy()
+
+
+def test_the_sources_run_without_cython_installed():
+    # Cython is a build requirement only: from source, without it, jitbatch
+    # imports and merges as usual (the sources only ask cython.compiled)
+    r = _run("import sys; sys.modules['cython'] = None\n"
+             "import jitbatch, numpy as np\n"
+             "from mxnet import nd, gluon\n"
+             "assert jitbatch.compiled_modules() == []\n"
+             "net = gluon.nn.Dense(2, in_units=3); net.initialize()\n"
+             "net.hybridize(dynamic_batch=True, policy='agenda')\n"
+             "xs = [nd.ones((1, 3)) * i for i in range(4)]\n"
+             "ys = [net(x) for x in xs]\n"
+             "got = np.concatenate([y.asnumpy() for y in ys])\n"
+             "assert jitbatch.stats()['launches'] == 1, jitbatch.stats()\n"
+             "net.hybridize(active=False)\n"
+             "want = np.concatenate([net(x).asnumpy() for x in xs])\n"
+             "assert np.allclose(got, want), (got, want)\n"
+             "print('ok')", env={"JITBATCH_PURE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
