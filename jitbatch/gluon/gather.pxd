@@ -3,7 +3,6 @@
 # launch groups directly.
 from jitbatch.graph cimport Node, Composite, Group
 from jitbatch.signature cimport SigInfo
-from jitbatch.gluon._lazy cimport LazyArray as LazyArrayT
 
 
 cdef class Plan:

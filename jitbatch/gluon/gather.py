@@ -73,7 +73,6 @@ def plan_gather(values, shape, index, sizes):
     or a concrete array (key ``id``). This runs once per row of every launch's
     inputs, so it is written as one flat loop."""
     leaves = []
-    la: LazyArrayT
     for v in values:
         if type(v) is LazyArray:
             la = v
@@ -93,7 +92,6 @@ def _plan_segments(leaves, values, want, index, sizes):
     srcs = {}          # key -> (source, its rows), in first-use order
     rs = None          # the row shape every segment must share
     ones = whole = True
-    la: LazyArrayT
     n: Node
     grp: Group
     info: SigInfo
@@ -252,7 +250,6 @@ def plan_padded(values, shape, axis, index, sizes):
     the gather is planned like any other (the zero rows come from one constant);
     otherwise each sample is padded on its own."""
     ks = []
-    la: LazyArrayT
     for v in values:
         if type(v) is LazyArray:
             la = v
@@ -295,7 +292,7 @@ def plan_padded(values, shape, axis, index, sizes):
 def _unit_segments(v, unit, out, views):
     """Append ``v``'s segments as rows of shape ``unit``; False if one is not."""
     if type(v) is LazyArray:
-        la: LazyArrayT = v
+        la = v
         node = la._node
         if type(node) is Composite:
             parts = []
@@ -501,8 +498,6 @@ def _twins(a_values, b_values, kmap):
     either the very same values or the same nodes' rows of another output ``k``
     of the same row layout, one output of ``b`` per output of ``a`` (``kmap``,
     filled in)."""
-    la: LazyArrayT
-    lb: LazyArrayT
     ca: Composite
     cb: Composite
     n: Node

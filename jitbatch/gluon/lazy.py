@@ -40,9 +40,8 @@ class LazyArray(NDArray, Ref):
     """Result of a recorded per-sample call. ``_view`` is None or ``(r0, rc, squeeze)``:
     rows ``r0:r0+rc`` of the producer's per-sample output, axis 0 dropped when
     ``squeeze`` (integer indexing) - views are free, they need no node.
-
-    Compiled modules read these fields at their C offsets: a slot added here
-    goes into ``_lazy.pxd``'s struct too (tests/test_compiled.py checks it)."""
+    Compiled, lazy arrays are made in C (``lazy.pxd``), which learns the slots
+    from this class: a slot added here needs ``__init__`` only."""
     __slots__ = ("_node", "_k", "_shape", "_dtype", "_ctx", "_view", "_value")
 
     def __init__(self, node, k, shape, dtype, ctx, view=None):  # pylint: disable=super-init-not-called

@@ -45,7 +45,7 @@ _LAST = [None, None]    # the concrete array meta() saw last, and its meta
 def meta(a):
     """``(shape, dtype, Device)`` of a lazy or concrete array."""
     if type(a) is LazyArray:
-        la: LazyArrayT = a
+        la = a
         return la._shape, la._dtype, la._ctx
     last = _LAST
     if a is last[0]:    # the same constant (a zero state) in call after call

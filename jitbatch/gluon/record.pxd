@@ -3,7 +3,6 @@
 # makes its nodes and lazy results without a Python call per field.
 from jitbatch.graph cimport Node, Composite, Graph
 from jitbatch.signature cimport SigInfo
-from jitbatch.gluon._lazy cimport LazyArray as LazyArrayT
 from jitbatch.gluon.lazy cimport new_lazy
 from jitbatch.gluon.meta cimport meta
 from jitbatch.gluon.modes cimport mode

@@ -229,7 +229,7 @@ def stack(data, kwargs):
     if data and len(kwargs) == 1 and kwargs.get("axis") == 1:
         a = data[0]
         if type(a) is LazyArray:
-            la: LazyArrayT = a
+            la = a
             s0, d0, c0 = la._shape, la._dtype, la._ctx
             if s0 and s0[0] == 1:
                 for b in data:

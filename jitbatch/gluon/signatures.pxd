@@ -1,6 +1,5 @@
 # Compiled declarations of signatures.py (see jitbatch/graph.pxd): the exact call
 # key is built on every block record.
-from jitbatch.gluon._lazy cimport LazyArray as LazyArrayT
 from jitbatch.gluon.meta cimport meta
 
 cpdef tuple exact_key(block, fkey, mode, flat)

@@ -50,7 +50,6 @@ def exact_key(block, fkey, mode, flat):
     its number once; a call mixing devices puts in all of them."""
     key = [block, block._jb_token, fkey, mode, None]
     ctx = mixed = None
-    la: LazyArrayT
     for a in flat:
         if type(a) is LazyArray:
             la = a

@@ -1,2 +1,0 @@
-# Compiled types of execute.py (see jitbatch/graph.pxd).
-from jitbatch.graph cimport Node, Group
