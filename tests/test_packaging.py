@@ -1,0 +1,65 @@
+"""What ``pip install .`` installs: the library and its own requirements only.
+
+setup.py is run with ``setuptools.setup`` replaced by a recorder, so this needs
+no network and no build; scripts/check_package.py builds the real wheel and
+installs it into a fresh environment (README.rst, Set-up)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RECORD = r"""
+import json, sys, setuptools
+seen = {}
+setuptools.setup = lambda **kw: seen.update(kw)
+sys.argv = ["setup.py"]
+exec(compile(open("setup.py").read(), "setup.py", "exec"),
+     {"__name__": "__main__", "__file__": __import__("os").path.abspath("setup.py")})
+print(json.dumps({k: seen[k] for k in ("packages", "install_requires", "extras_require",
+                                       "package_data")}))
+"""
+
+
+def declared():
+    env = dict(os.environ, JITBATCH_PURE="1")   # no Cython run, only the declarations
+    r = subprocess.run([sys.executable, "-c", RECORD], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def names(requirements):
+    return sorted(re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requirements)
+
+
+def test_the_library_requires_only_what_it_imports():
+    got = declared()
+    assert names(got["install_requires"]) == ["mxnet", "numpy"]
+    assert "mxnet==1.9.1" in got["install_requires"]
+    for heavy in ("gluonnlp", "scipy", "matplotlib", "cython", "tqdm"):
+        assert heavy not in names(got["install_requires"])
+    examples = names(got["extras_require"]["examples"])
+    assert examples == ["matplotlib", "tqdm"]
+    assert set(examples) | {"pytest", "hypothesis"} == set(names(got["extras_require"]["test"]))
+
+
+def test_only_jitbatch_is_installed_as_a_package():
+    got = declared()
+    assert got["packages"] and all(p == "jitbatch" or p.startswith("jitbatch.")
+                                   for p in got["packages"])
+    # every package directory of the library is listed (nothing silently left out)
+    on_disk = sorted(os.path.relpath(d, ROOT).replace(os.sep, ".")
+                     for d, _, files in os.walk(os.path.join(ROOT, "jitbatch"))
+                     if "__init__.py" in files)
+    assert sorted(got["packages"]) == on_disk
+
+
+def test_cython_is_a_build_requirement_only():
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    requires = re.search(r"^requires\s*=\s*\[(.*?)\]", text, re.M | re.S).group(1)
+    assert "Cython" in requires
+    assert "cython" not in names(declared()["install_requires"])
