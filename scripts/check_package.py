@@ -85,7 +85,9 @@ def check_fresh_install(tmp):
     say("installed in %.0f s" % (time.perf_counter() - t0))
     listed = json.loads(run([py, "-m", "pip", "list", "--format", "json"]))
     have = {requirement_name(d["name"]) for d in listed}
-    say("installed distributions: %s" % ", ".join(sorted(have)))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(env_dir)
+               for f in files if not os.path.islink(os.path.join(d, f)))
+    say("installed distributions (%.0f MB in all): %s" % (size / 2 ** 20, ", ".join(sorted(have))))
     problems = ["%s was installed" % n for n in sorted(have & UNWANTED)]
     site = run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
     if os.path.exists(os.path.join(site, "examples")):
