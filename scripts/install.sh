@@ -64,7 +64,8 @@ if [ "$have_deps" != "$want_deps" ]; then
     JITBATCH_PURE=1 PYTHONWARNINGS="$QUIET_EDITABLE" \
         .venv/bin/python -m pip install -q -e ".[test]"
 fi
-say "compiling jitbatch's core modules with Cython (about a minute on two cores)"
+say "compiling jitbatch's core modules with Cython (those whose source changed; about a" \
+    "minute on two cores for all of them)"
 PYTHONWARNINGS="$QUIET_EDITABLE" .venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -c "import jitbatch; m = jitbatch.compiled_modules(); print('install.sh: jitbatch installed, %d of %d modules compiled%s' % (len(m), len(jitbatch._compiled.MODULES), '' if m else ' (no Cython or C compiler: pure Python, slower)'))"
 
