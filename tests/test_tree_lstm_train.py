@@ -319,3 +319,12 @@ def test_plot_keeps_a_close_start_on_the_axis(tmp_path):
 def test_dev_axis_without_training_covers_the_start():
     (lo, hi), clipped = train.dev_axis_limits(curve(0.5))
     assert not clipped and lo < 0.5 < hi
+
+
+def test_vectors_of_another_size_name_the_fix(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--data", MEDIUM, "--embed-size", "300", "--max-pairs", "2",
+                    "--out", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert "vectors.50d.txt" in err and "dimension 50" in err and "dim=300" in err
+    assert "--embed-size 50" in err and "--word-embed none" in err

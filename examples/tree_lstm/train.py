@@ -525,7 +525,8 @@ def main(argv=None):
                 args.word_embed_file, vocab, args.embed_size, seed=args.seed,
                 return_missing=True, cache_dir=args.data, progress=not args.quiet, log=log)
         except (OSError, ValueError) as err:
-            parser.error("argument --word-embed: cannot use %r: %s" % (args.word_embed_file, err))
+            parser.error("argument --word-embed: cannot use %r: %s (--word-embed none starts "
+                         "from random vectors)" % (args.word_embed_file, err))
         net.encoder.embed.weight.set_data(nd.array(matrix, ctx=ctx))
         n_found = len(vocab) - len(missing)
     if args.load is not None:
