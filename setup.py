@@ -75,7 +75,12 @@ def extensions():
     except ImportError:
         return []
     exts = [Extension(m, [source(m)], optional=True) for m in compiled.MODULES]
-    return cythonize(exts, quiet=True, compiler_directives={"language_level": 3, "binding": True})
+    exts = cythonize(exts, quiet=True, compiler_directives={"language_level": 3, "binding": True})
+    for ext in exts:
+        # cythonize returns new Extension objects without the flag: without it a
+        # missing or failing C compiler would fail the whole install
+        ext.optional = True
+    return exts
 
 
 setup(

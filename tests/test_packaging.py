@@ -23,9 +23,9 @@ print(json.dumps({k: seen[k] for k in ("packages", "install_requires", "extras_r
 """
 
 
-def declared():
-    env = dict(os.environ, JITBATCH_PURE="1")   # no Cython run, only the declarations
-    r = subprocess.run([sys.executable, "-c", RECORD], cwd=ROOT, env=env, capture_output=True,
+def declared(code=RECORD, pure="1"):
+    env = dict(os.environ, JITBATCH_PURE=pure)   # by default no Cython run, only declarations
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -63,3 +63,30 @@ def test_cython_is_a_build_requirement_only():
     requires = re.search(r"^requires\s*=\s*\[(.*?)\]", text, re.M | re.S).group(1)
     assert "Cython" in requires
     assert "cython" not in names(declared()["install_requires"])
+
+
+# Cython's cythonize returns new Extension objects and does not copy ``optional``
+# (Cython 3.x); this stand-in does the same, without needing Cython installed
+FAKE_CYTHON = r"""
+import sys, types
+from setuptools import Extension
+build = types.ModuleType("Cython.Build")
+build.cythonize = lambda exts, **kw: [Extension(e.name, [s[:-3] + ".c" for s in e.sources])
+                                      for e in exts]
+sys.modules["Cython"] = types.ModuleType("Cython")
+sys.modules["Cython.Build"] = build
+"""
+
+
+def test_compiled_modules_are_optional_after_cythonize():
+    code = FAKE_CYTHON + RECORD.replace(
+        'print(json.dumps({k: seen[k] for k in ("packages",',
+        'print(json.dumps({"optional": [e.optional for e in seen["ext_modules"]]}))\n'
+        'print(json.dumps({k: seen[k] for k in ("packages",')
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                       env=dict(os.environ, JITBATCH_PURE=""), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    optional = json.loads(r.stdout.strip().splitlines()[-2])["optional"]
+    # a failed compile (no C compiler) then leaves the pure-Python package installed
+    assert optional and all(optional)
