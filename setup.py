@@ -17,6 +17,9 @@ compiled = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compiled)
 
 
+EXAMPLES = ["tqdm", "matplotlib"]
+
+
 def source(name):
     return os.path.relpath(compiled.source_of(name), HERE)
 
@@ -72,7 +75,12 @@ def extensions():
     except ImportError:
         return []
     exts = [Extension(m, [source(m)], optional=True) for m in compiled.MODULES]
-    return cythonize(exts, quiet=True, compiler_directives={"language_level": 3, "binding": True})
+    exts = cythonize(exts, quiet=True, compiler_directives={"language_level": 3, "binding": True})
+    for ext in exts:
+        # cythonize returns new Extension objects without the flag: without it a
+        # missing or failing C compiler would fail the whole install
+        ext.optional = True
+    return exts
 
 
 setup(
@@ -80,20 +88,22 @@ setup(
     version="0.1.0",
     description="Just-in-time dynamic batching for Apache MXNet Gluon",
     long_description=open(os.path.join(HERE, "README.rst")).read(),
-    packages=find_packages(include=["jitbatch", "jitbatch.*", "examples", "examples.*"]),
+    # only the library: the examples, scripts and tests run from a checkout
+    # (``python -m examples.tree_lstm.train`` from its root), never from site-packages
+    packages=find_packages(include=["jitbatch", "jitbatch.*"]),
     # the compiled modules' type declarations: part of each build's source hash
     package_data={"jitbatch": ["*.pxd"], "jitbatch.gluon": ["*.pxd"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExt},
     python_requires=">=3.8",
+    # what the library itself imports; Cython is a build requirement (pyproject.toml)
     install_requires=[
         "mxnet==1.9.1",
         "numpy>=1.20,<1.24",      # mxnet 1.9.1 uses np.bool
-        "gluonnlp==0.10.0",       # built from source: needs cython (and wheel) first
-        "cython",
-        "scipy",
-        "tqdm",
-        "matplotlib",
     ],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={
+        # the Tree-LSTM example and the benchmark scripts: progress bars and plots
+        "examples": EXAMPLES,
+        "test": ["pytest", "hypothesis"] + EXAMPLES,
+    },
 )

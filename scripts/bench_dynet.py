@@ -153,7 +153,7 @@ def load(data_dir, n):
 
     Vocabulary: every token of the whole train split plus vocab.txt /
     vocab-cased.txt if present, with <unk> = 0 and <pad> = 1 (the order of the
-    other ids differs from gluonnlp's, which only permutes embedding rows).
+    other ids differs from the example's Vocab, which only permutes embedding rows).
     """
     split = os.path.join(data_dir, "train")
     cols = {name: _lines(os.path.join(split, name))

@@ -46,7 +46,10 @@ Split sizes
 -----------
 Default (``--pairs N``): 2/3 train, 1/6 dev, 1/6 test, so the bundled
 ``--pairs 600`` set is 400/100/100 -- a small test split gives a quick but
-still usable evaluation.  ``--full`` writes 9927 pairs split like SICK,
+still usable evaluation (``data/sick_small``, the tests' data); the trainer's
+default data ``data/sick_medium`` is ``--out data/sick_medium --pairs 3000
+--seed 1 --vectors-dim 50`` (2000/500/500 with word vectors).  ``--full``
+writes 9927 pairs split like SICK,
 4500/500/4927, to ``data/sick_full`` (not committed; regenerate it).
 ``--split-style sick`` applies SICK's proportions to any ``--pairs``.
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install jitbatch with its test extras into ./.venv and run the test suite.
+# Install jitbatch into ./.venv if needed (scripts/install.sh), then run the test
+# suite; arguments go to pytest. Run it again without this script as
+#   .venv/bin/python -m pytest [ARGS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

@@ -11,6 +11,7 @@ from examples.tree_lstm import data as D
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "data", "sick_small")
+MEDIUM = os.path.join(ROOT, "data", "sick_medium")
 GENERATOR = os.path.join(ROOT, "scripts", "make_sick_like.py")
 WHERE = "train/a.parents line 17"
 
@@ -296,7 +297,6 @@ def test_load_word_vectors(tmp_path, small_vocab):
     np.testing.assert_array_equal(matrix[small_vocab["<pad>"]], 0)
     others = [small_vocab[w] for w in missing if w != "<pad>"]
     assert np.abs(matrix[others]).max() <= 0.05 and np.abs(matrix[others]).min() > 0
-    np.testing.assert_allclose(small_vocab.embedding.idx_to_vec.asnumpy(), matrix)
     again = D.load_word_vectors(path, small_vocab, 4)
     np.testing.assert_array_equal(again, matrix)  # fixed seed
 
@@ -320,6 +320,122 @@ def test_load_word_vectors_dimension_mismatch(tmp_path, small_vocab):
         D.load_word_vectors(str(empty), small_vocab, 3)
     with pytest.raises(FileNotFoundError):
         D.load_word_vectors(str(tmp_path / "nope.txt"), small_vocab, 3)
+
+
+def test_vocab_order_and_lookup():
+    vocab = D.Vocab({"b": 2, "a": 2, "c": 5, "<unk>": 9, "d": 1})
+    # specials first, then by decreasing count, ties alphabetical; a counted
+    # special token keeps its special place
+    assert vocab.idx_to_token == ["<unk>", "<pad>", "c", "a", "b", "d"]
+    assert vocab.token_to_idx == {t: i for i, t in enumerate(vocab.idx_to_token)}
+    assert len(vocab) == 6 and "a" in vocab and "zzz" not in vocab
+    assert vocab["c"] == 2 and vocab["zzz"] == 0
+    assert vocab[["d", "zzz", "a"]] == [5, 0, 3]
+    assert vocab.to_tokens([2, 0]) == ["c", "<unk>"] and vocab.to_tokens(3) == "a"
+    same = D.Vocab({"c": 3, "a": 1, "b": 1, "d": 0})
+    other = D.Vocab({"c": 3, "b": 2, "a": 1, "d": 0})
+    assert same.digest() == vocab.digest() and other.digest() != vocab.digest()
+
+
+def test_build_vocab_counts_vocab_file_once(tmp_path):
+    split = write_split(tmp_path / "train")
+    vocab_file = tmp_path / "vocab.txt"
+    vocab_file.write_text("zebra\nman\nzebra\n", encoding="utf-8")
+    vocab = D.build_vocab(D.read_split(split), str(vocab_file))
+    # counts: 'a' 4, 'is' 3, 'man' 2 + 1 from the file, then the count-2 words, then
+    # the count-1 words ('zebra' too: a file's repeated line counts once)
+    assert vocab.idx_to_token == [
+        "<unk>", "<pad>", "a", "is", "man", "cat", "dogs", "playing", "are", "guitar", "here",
+        "run", "running", "sleeping", "sleeps", "the", "two", "zebra"]
+
+
+def test_glove_tokens_with_spaces(tmp_path):
+    # glove.840B.300d has tokens with spaces: the last dim fields are the vector
+    vocab = D.Vocab({". . .": 1, "at home": 1, "man": 1, "home": 1})
+    rows = [(". . .", [1, 2, 3]), ("man", [4, 5, 6]), ("at home", [7, 8, 9]),
+            ("the man", [9, 9, 9]), ("home", [0.5, 0.25, -1])]
+    path = write_vectors(tmp_path / "glove.txt", rows)
+    matrix, missing = D.load_word_vectors(path, vocab, 3, return_missing=True)
+    for word, vec in rows:
+        if word in vocab:
+            np.testing.assert_allclose(matrix[vocab[word]], vec)
+    assert set(missing) == {"<unk>", "<pad>"}   # 'the man' is its own token, not 'man'
+    # a file whose first line has a spaced token still has dimension 3
+    assert D.vector_file_dim(path) == 3
+    with pytest.raises(ValueError, match=r"vectors have dimension 3 .*but dim=4"):
+        D.load_word_vectors(path, vocab, 4)
+
+
+def test_word_vector_value_errors(tmp_path, small_vocab):
+    path = tmp_path / "bad.txt"
+    path.write_text("man 1 2 x\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.txt line 1: word 'man' has the value 'x', which "
+                                         r"is not a number"):
+        D.load_word_vectors(str(path), small_vocab, 3)
+
+
+def test_vector_file_dim_and_discovery(tmp_path):
+    assert D.vector_file_dim(write_vectors(tmp_path / "glove.a.txt", [("x", [1, 2])])) == 2
+    assert D.vector_file_dim(write_vectors(tmp_path / "vectors.5d.txt", [], header="10 5")) == 5
+    (tmp_path / "empty.txt").write_text("\n")
+    assert D.vector_file_dim(str(tmp_path / "empty.txt")) is None
+    (tmp_path / "notes.txt").write_text("x 1 2\n")
+    assert D.find_vector_files(str(tmp_path)) == [str(tmp_path / "glove.a.txt"),
+                                                  str(tmp_path / "vectors.5d.txt")]
+    assert D.find_vector_files(str(tmp_path / "missing")) == []
+
+
+def test_word_vector_cache(tmp_path, small_vocab, monkeypatch):
+    rows = [("man", [0.1, 0.2, 0.3]), ("dogs", [1, 2, 3])]
+    path = write_vectors(tmp_path / "glove.txt", rows)
+    cache_dir = tmp_path / "data"
+    cache_dir.mkdir()
+    lines = []
+    first = D.load_word_vectors(path, small_vocab, 3, cache_dir=str(cache_dir), log=lines.append)
+    cache = D.vector_cache_file(path, str(cache_dir))
+    assert os.path.isfile(cache) and os.path.dirname(cache) == str(cache_dir / ".vectors_cache")
+    assert "read" in lines[-1] and "cached in " + cache in lines[-1]
+
+    scans = []
+    real_scan = D._scan_vectors
+
+    def counting_scan(*args, **kwargs):
+        scans.append(args[0])
+        return real_scan(*args, **kwargs)
+    monkeypatch.setattr(D, "_scan_vectors", counting_scan)
+    again = D.load_word_vectors(path, small_vocab, 3, cache_dir=str(cache_dir), log=lines.append)
+    np.testing.assert_array_equal(again, first)
+    assert scans == [] and "from the cache" in lines[-1]     # the source was not read
+
+    # a changed source (size and mtime), another vocabulary, another dim: read again
+    write_vectors(tmp_path / "glove.txt", rows + [("cat", [7, 7, 7])])
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+    changed = D.load_word_vectors(path, small_vocab, 3, cache_dir=str(cache_dir))
+    np.testing.assert_allclose(changed[small_vocab["cat"]], [7, 7, 7])
+    assert len(scans) == 1
+    D.load_word_vectors(path, small_vocab, 3, cache_dir=str(cache_dir))
+    assert len(scans) == 1                                    # the new cache is used
+    bigger = D.Vocab(dict.fromkeys(small_vocab.idx_to_token[2:] + ["zebra"], 1))
+    D.load_word_vectors(path, bigger, 3, cache_dir=str(cache_dir))
+    assert len(scans) == 2
+    # one cache file per source file, whatever the vocabulary
+    assert os.listdir(cache_dir / ".vectors_cache") == [os.path.basename(cache)]
+
+
+def test_word_vector_cache_not_writable(tmp_path, small_vocab):
+    path = write_vectors(tmp_path / "glove.txt", [("man", [1, 2])])
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the cache directory would go")
+    lines = []
+    matrix = D.load_word_vectors(path, small_vocab, 2, cache_dir=str(blocker), log=lines.append)
+    np.testing.assert_allclose(matrix[small_vocab["man"]], [1, 2])
+    assert "not cached" in lines[-1]
+
+
+def test_word_overlap():
+    pair = D.Pair("a man is here".split(), "a man runs".split(), None, None, 3.0)
+    assert D.word_overlap(pair) == pytest.approx(2 / 5)
 
 
 # ---------------------------------------------------------------------------
@@ -368,6 +484,20 @@ def test_bundled_set_is_reproducible(tmp_path):
     names = generated_files(BUNDLED)
     match, mismatch, errors = filecmp.cmpfiles(BUNDLED, out, names, shallow=False)
     assert mismatch == [] and errors == [], "regenerate with: python scripts/make_sick_like.py"
+
+
+#: how data/sick_medium (the trainer's default data) was made
+MEDIUM_ARGS = ["--pairs", "3000", "--seed", "1", "--vectors-dim", "50"]
+
+
+def test_bundled_medium_set_is_reproducible(tmp_path):
+    out = str(tmp_path / "regen")
+    load_generator().main(["--out", out, "--quiet"] + MEDIUM_ARGS)
+    names = generated_files(MEDIUM) + ["vectors.50d.txt"]
+    match, mismatch, errors = filecmp.cmpfiles(MEDIUM, out, names, shallow=False)
+    assert mismatch == [] and errors == [], \
+        "regenerate with: python scripts/make_sick_like.py --out data/sick_medium " + \
+        " ".join(MEDIUM_ARGS)
 
 
 def test_split_sizes():

@@ -15,29 +15,34 @@ on SICK sentence pairs.  This module only deals with data:
       <data_dir>/<split>/b.parents
       <data_dir>/<split>/sim.txt     relatedness score in [1, 5] per line
 
-* vocabulary and word vectors through :mod:`gluonnlp`;
+* :class:`Vocab` and :func:`load_word_vectors` -- the vocabulary and GloVe-format
+  word vectors (filtered to the vocabulary and cached beside the data);
 * :func:`target_distribution` -- the sparse target distribution over the
   score classes used as the training target in the paper.
 
-gluonnlp (and therefore mxnet) is imported lazily, so tree-only users do not
-pay its import time.
+It needs numpy only (tqdm for the optional progress bar), not MXNet.
 
 Conventions: token positions in error messages are 1-based (as in the
 ``*.parents`` files), ``Tree.idx`` is 0-based.
 """
 
+import collections
+import hashlib
 import io
+import itertools
+import json
 import math
 import os
 import tempfile
+import time
 
 import numpy as np
 
 __all__ = [
     "Tree", "build_tree", "Pair", "read_split", "read_vocab_file",
     "find_vocab_file", "build_vocab", "load_dataset", "encode",
-    "load_word_vectors", "target_distribution",
-    "SPLIT_FILES", "UNK", "PAD",
+    "Vocab", "load_word_vectors", "vector_file_dim", "vector_cache_file", "find_vector_files",
+    "word_overlap", "target_distribution", "SPLIT_FILES", "UNK", "PAD",
 ]
 
 #: Files every split directory must contain.
@@ -47,11 +52,6 @@ VOCAB_FILES = ("vocab-cased.txt", "vocab.txt")
 UNK = "<unk>"
 PAD = "<pad>"
 MIN_SCORE, MAX_SCORE = 1.0, 5.0
-
-
-def _nlp():
-    import gluonnlp  # pylint: disable=import-outside-toplevel
-    return gluonnlp
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def _parse_score(line, where):
 def read_split(split_dir, vocab=None):
     """Read one split directory (``train``, ``dev`` or ``test``) into a list of :class:`Pair`.
 
-    If ``vocab`` (a :class:`gluonnlp.Vocab`) is given, each pair's ``a_ids`` and
+    If ``vocab`` (a :class:`Vocab`) is given, each pair's ``a_ids`` and
     ``b_ids`` are filled in with :func:`encode`.
 
     Raises
@@ -371,20 +371,70 @@ def find_vocab_file(data_dir):
     return None
 
 
+class Vocab:
+    """Token <-> index mapping of the example (what the trainer needs of a vocabulary).
+
+    Index 0 is ``<unk>`` (every unknown token maps to it), index 1 ``<pad>``; the
+    other tokens follow by decreasing count, ties in alphabetical order, so the
+    same corpus always gives the same indices.
+
+    ``vocab[token]`` is an index, ``vocab[list_of_tokens]`` a list of indices;
+    :meth:`to_tokens` maps back; ``idx_to_token`` (list) and ``token_to_idx``
+    (dict) are the two directions.
+    """
+
+    def __init__(self, counts, unknown_token=UNK, padding_token=PAD):
+        self.unknown_token = unknown_token
+        self.padding_token = padding_token
+        specials = [unknown_token, padding_token]
+        rest = sorted((t for t in counts if t not in specials), key=lambda t: (-counts[t], t))
+        self.idx_to_token = specials + rest
+        self.token_to_idx = {t: i for i, t in enumerate(self.idx_to_token)}
+
+    def __len__(self):
+        return len(self.idx_to_token)
+
+    def __contains__(self, token):
+        return token in self.token_to_idx
+
+    def __getitem__(self, tokens):
+        if isinstance(tokens, str):
+            return self.token_to_idx.get(tokens, 0)
+        return [self.token_to_idx.get(t, 0) for t in tokens]
+
+    def to_tokens(self, indices):
+        """Tokens of ``indices`` (an int or a sequence of ints)."""
+        if isinstance(indices, (int, np.integer)):
+            return self.idx_to_token[indices]
+        return [self.idx_to_token[i] for i in indices]
+
+    def digest(self):
+        """SHA-256 of the index -> token list: equal digests, equal vocabularies
+        (it keys the word-vector cache)."""
+        return hashlib.sha256("\n".join(self.idx_to_token).encode("utf-8")).hexdigest()
+
+    def __repr__(self):
+        return "Vocab(%d tokens)" % len(self)
+
+
 def build_vocab(pairs, vocab_file=None):
-    """A :class:`gluonnlp.Vocab` over the tokens of ``pairs`` (normally the train split).
+    """A :class:`Vocab` over the tokens of ``pairs`` (normally the train split).
 
     Tokens listed in ``vocab_file`` are added with one extra count each, so
     dev/test words present in the standard vocabulary file do not become
-    ``<unk>``.  Special tokens: ``<unk>`` (index 0) and ``<pad>`` (index 1); no
-    BOS/EOS.  Ordering is gluonnlp's: by decreasing count, ties alphabetical.
+    ``<unk>``.  Special tokens: ``<unk>`` (index 0) and ``<pad>`` (index 1).
     """
-    nlp = _nlp()
-    counter = nlp.data.count_tokens(tok for p in pairs for tok in p.a_toks + p.b_toks)
+    counts = collections.Counter(tok for p in pairs for tok in p.a_toks + p.b_toks)
     if vocab_file is not None:
-        nlp.data.count_tokens(read_vocab_file(vocab_file), counter=counter)
-    return nlp.Vocab(counter, min_freq=1, unknown_token=UNK, padding_token=PAD,
-                     bos_token=None, eos_token=None)
+        counts.update(read_vocab_file(vocab_file))
+    return Vocab(counts)
+
+
+def word_overlap(pair):
+    """Jaccard overlap of the two sentences' token sets: the baseline a model
+    should beat (scripts/make_sick_like.py prints its Pearson r with the scores)."""
+    a, b = set(pair.a_toks), set(pair.b_toks)
+    return len(a & b) / len(a | b) if a or b else 0.0
 
 
 def encode(pair, vocab):
@@ -410,7 +460,7 @@ def load_dataset(data_dir, splits=("train", "dev", "test"), vocab_file="auto"):
 
     Returns
     -------
-    (dict, gluonnlp.Vocab)
+    (dict, Vocab)
         ``{split: [Pair, ...]}`` with ``a_ids``/``b_ids`` filled in, and the vocabulary.
     """
     if not os.path.isdir(data_dir):
@@ -434,6 +484,13 @@ def load_dataset(data_dir, splits=("train", "dev", "test"), vocab_file="auto"):
 # Word vectors
 # ---------------------------------------------------------------------------
 
+#: sub-directory of the cache directory (normally the data directory) holding
+#: word vectors already filtered to a vocabulary
+VECTOR_CACHE_DIR = ".vectors_cache"
+#: lines read ahead to tell the file's vector dimension (see :func:`_file_dim`)
+_DIM_PROBE_LINES = 20
+
+
 def _is_int(text):
     try:
         int(text)
@@ -442,21 +499,208 @@ def _is_int(text):
         return False
 
 
-def load_word_vectors(path, vocab, dim, seed=0, init_scale=0.05, return_missing=False):
+def _vector_lines(f):
+    """``(line number, line)`` of the non-blank lines of a binary file, without
+    line ends and trailing spaces."""
+    for lineno, raw in enumerate(f, start=1):
+        line = raw.rstrip(b"\r\n").rstrip(b" ")
+        if line:
+            yield lineno, line
+
+
+def _file_dim(probe, path, dim):
+    """The vector dimension of a GloVe-format file from its first lines
+    ``probe`` (header excluded): the most common number of fields after the
+    first, the first line's on a tie.  A token with spaces in it (as in
+    glove.840B.300d) adds fields to its own line only, so it cannot decide it."""
+    counts = collections.Counter(line.count(b" ") for _, line in probe)
+    top = max(counts.values())
+    for lineno, line in probe:
+        if counts[line.count(b" ")] == top:
+            file_dim = line.count(b" ")
+            if file_dim != dim:
+                word = line.split(b" ", 1)[0].decode("utf-8", "replace")
+                raise ValueError(
+                    "%s: vectors have dimension %d (line %d, word %r), but dim=%d was "
+                    "requested; pass the file's dimension (--embed-size %d) or another file"
+                    % (path, file_dim, lineno, word, dim, file_dim))
+            return file_dim
+    raise AssertionError("unreachable: probe is not empty")
+
+
+def vector_file_dim(path):
+    """Dimension of the vectors in a GloVe-format text file (a word2vec-style
+    ``count dim`` header line is read as such), or None for a file without vectors."""
+    with io.open(path, "rb") as f:
+        probe = []
+        for lineno, line in _vector_lines(f):
+            fields = line.split(b" ")
+            if not probe and lineno == 1 and len(fields) == 2 and all(_is_int(x) for x in fields):
+                return int(fields[1])
+            probe.append((lineno, line))
+            if len(probe) == _DIM_PROBE_LINES:
+                break
+    if not probe:
+        return None
+    counts = collections.Counter(line.count(b" ") for _, line in probe)
+    top = max(counts.values())
+    return next(line.count(b" ") for _, line in probe if counts[line.count(b" ")] == top)
+
+
+def _scan_vectors(path, wanted, dim, progress=False):
+    """``{token: float32 vector}`` for the tokens of ``wanted`` found in the
+    GloVe-format file ``path`` (the first line of a token counts).
+
+    A line's LAST ``dim`` fields are its vector and everything before them,
+    spaces included, its token: glove.840B.300d has tokens such as ``". . ."``.
+    """
+    found = {}
+    size = os.path.getsize(path)
+    bar = None
+    if progress:
+        from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+        bar = tqdm(total=size, desc="word vectors", unit="B", unit_scale=True, leave=False,
+                   dynamic_ncols=True)
+    try:
+        with io.open(path, "rb") as f:
+            lines = _vector_lines(f)
+            probe = []
+            for lineno, line in lines:
+                fields = line.split(b" ")
+                if not probe and lineno == 1 and len(fields) == 2 and all(_is_int(x) for x in fields):
+                    if int(fields[1]) != dim:
+                        raise ValueError(
+                            "%s: header line says the vectors have dimension %s, but dim=%d "
+                            "was requested" % (path, fields[1].decode(), dim))
+                    continue
+                probe.append((lineno, line))
+                if len(probe) == _DIM_PROBE_LINES:
+                    break
+            if not probe:
+                raise ValueError("%s contains no word vectors" % path)
+            _file_dim(probe, path, dim)
+            done = 0
+            for k, (lineno, line) in enumerate(itertools.chain(probe, lines)):
+                n_values = line.count(b" ")
+                if n_values == dim:   # the common case: a token without spaces
+                    token = line[:line.index(b" ")].decode("utf-8", "replace")
+                elif n_values > dim:
+                    token = line.rsplit(b" ", dim)[0].decode("utf-8", "replace")
+                else:
+                    token = line.split(b" ", 1)[0].decode("utf-8", "replace")
+                    if token in wanted:
+                        raise ValueError("%s line %d: word %r has %d values, expected %d"
+                                         % (path, lineno, token, n_values, dim))
+                    continue  # a short line of a word we do not need: not our problem
+                if token in wanted and token not in found:
+                    values = line.rsplit(b" ", dim)[1:]
+                    try:
+                        found[token] = np.array(values, dtype=np.float32)
+                    except ValueError:
+                        bad = next(v for v in values if not _is_float(v))
+                        raise ValueError("%s line %d: word %r has the value %r, which is not "
+                                         "a number" % (path, lineno, token,
+                                                       bad.decode("utf-8", "replace"))) from None
+                if bar is not None and k % 4096 == 0:
+                    pos = f.tell()
+                    bar.update(pos - done)
+                    done = pos
+    finally:
+        if bar is not None:
+            bar.close()
+    return found
+
+
+def _is_float(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def find_vector_files(directory):
+    """GloVe-format files in ``directory``: ``glove*.txt`` and ``vectors*.txt``
+    (what scripts/make_sick_like.py writes), sorted."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names
+                  if n.endswith(".txt") and n.startswith(("glove", "vectors"))
+                  and os.path.isfile(os.path.join(directory, n)))
+
+
+def vector_cache_file(path, cache_dir):
+    """Where :func:`load_word_vectors` caches the vectors of ``path``: one file
+    per source file in ``cache_dir/.vectors_cache`` (a new vocabulary or a
+    changed source replaces it)."""
+    source = os.path.abspath(path)
+    tag = hashlib.sha256(source.encode("utf-8")).hexdigest()[:12]
+    return os.path.join(cache_dir, VECTOR_CACHE_DIR, "%s.%s.npz" % (os.path.basename(source), tag))
+
+
+def _cache_key(path, vocab, dim):
+    st = os.stat(path)
+    return json.dumps({"source": os.path.abspath(path), "size": st.st_size,
+                       "mtime_ns": st.st_mtime_ns, "vocab": vocab.digest(), "dim": dim},
+                      sort_keys=True)
+
+
+def _read_cache(cache_file, key, vocab):
+    """``{token: vector}`` from ``cache_file`` if it was written for ``key``, else None."""
+    try:
+        with np.load(cache_file, allow_pickle=False) as z:
+            if str(z["key"]) != key:
+                return None
+            rows, vectors = z["rows"], z["vectors"]
+    except (OSError, KeyError, ValueError):
+        return None  # absent or unreadable: scan the source again
+    return {vocab.idx_to_token[int(r)]: vectors[i] for i, r in enumerate(rows)}
+
+
+def _write_cache(cache_file, key, vocab, found):
+    rows = np.array(sorted(vocab.token_to_idx[t] for t in found), dtype=np.int64)
+    vectors = np.stack([found[vocab.idx_to_token[r]] for r in rows]) if len(rows) else \
+        np.zeros((0, 0), np.float32)
+    os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+    # written whole under a temporary name, then renamed: a reader never sees half a file
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cache_file), suffix=".npz.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, key=np.array(key), rows=rows, vectors=vectors)
+        os.replace(tmp, cache_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_word_vectors(path, vocab, dim, seed=0, init_scale=0.05, return_missing=False,
+                      cache_dir=None, progress=False, log=None):
     """Load GloVe-format vectors for the words of ``vocab``.
 
     The text file has one ``word v1 ... v<dim>`` line per word (an optional
-    word2vec-style ``count dim`` header line is accepted).  Only the lines of
-    words in ``vocab`` are kept (so multi-GB GloVe files need not fit in
-    memory); they are loaded with
-    :meth:`gluonnlp.embedding.TokenEmbedding.from_file`, and the embedding is
-    attached to ``vocab`` with ``vocab.set_embedding``.  Afterwards
-    ``vocab.embedding.idx_to_vec`` holds the same values as the returned matrix.
+    word2vec-style ``count dim`` header line is accepted).  The last ``dim``
+    fields of a line are the vector and the fields before them, joined by
+    spaces, the word (glove.840B.300d has words with spaces in them).  Only
+    the lines of words in ``vocab`` are kept, so multi-GB files need not fit
+    in memory.
+
+    With ``cache_dir`` (the trainer passes the data directory) the kept
+    vectors are saved to :func:`vector_cache_file`, keyed by the source's
+    path, size and modification time, the vocabulary's :meth:`Vocab.digest`
+    and ``dim``; a later call with the same key reads that instead of the
+    source.  A cache that cannot be written is reported through ``log`` and
+    skipped.
 
     Words missing from the file get vectors drawn uniformly from
     ``[-init_scale, init_scale]`` with ``numpy.random.default_rng(seed)``
     (row ``i`` always gets the ``i``-th draw, so the result does not depend on
     which other words are missing); the padding token's row is zero.
+
+    ``progress``: a tqdm bar over the bytes read; ``log``: a callable given one
+    line saying where the vectors came from.
 
     Returns
     -------
@@ -468,72 +712,43 @@ def load_word_vectors(path, vocab, dim, seed=0, init_scale=0.05, return_missing=
     FileNotFoundError
         If ``path`` does not exist.
     ValueError
-        If the file's vectors are not ``dim``-dimensional (or a kept line has a
-        different number of values), or the file holds no vectors at all.
+        If the file's vectors are not ``dim``-dimensional (or a kept line has
+        fewer values), a kept value is not a number, or the file holds no
+        vectors at all.
     """
-    nlp = _nlp()
-    from mxnet import nd  # pylint: disable=import-outside-toplevel
-
     if not os.path.isfile(path):
         raise FileNotFoundError("word vector file %s does not exist" % path)
-    wanted = set(vocab.idx_to_token)
-    file_dim = None
-    kept = []
-    with io.open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n").rstrip(" ")
-            if not line:
-                continue
-            if file_dim is None:
-                fields = line.split(" ")
-                if lineno == 1 and len(fields) == 2 and _is_int(fields[0]) and _is_int(fields[1]):
-                    header_dim = int(fields[1])
-                    if header_dim != dim:
-                        raise ValueError(
-                            "%s: header line says the vectors have dimension %d, but dim=%d "
-                            "was requested" % (path, header_dim, dim))
-                    continue
-                file_dim = len(fields) - 1
-                if file_dim != dim:
-                    raise ValueError(
-                        "%s: vectors have dimension %d (line %d, word %r), but dim=%d was "
-                        "requested" % (path, file_dim, lineno, fields[0], dim))
-            token = line.split(" ", 1)[0]
-            if token in wanted:
-                n_values = line.count(" ")
-                if n_values != dim:
-                    raise ValueError(
-                        "%s line %d: word %r has %d values, expected %d"
-                        % (path, lineno, token, n_values, dim))
-                kept.append(line)
-    if file_dim is None:
-        raise ValueError("%s contains no word vectors" % path)
+    found = None
+    cache_file = key = None
+    if cache_dir is not None:
+        cache_file = vector_cache_file(path, cache_dir)
+        key = _cache_key(path, vocab, dim)
+        found = _read_cache(cache_file, key, vocab)
+        if found is not None and log is not None:
+            log("word vectors: %d of %d words from the cache %s (%s unchanged)"
+                % (len(found), len(vocab), cache_file, path))
+    if found is None:
+        t0 = time.perf_counter()
+        found = _scan_vectors(path, set(vocab.idx_to_token), dim, progress=progress)
+        where = ""
+        if cache_file is not None:
+            try:
+                _write_cache(cache_file, key, vocab, found)
+                where = "; cached in %s" % cache_file
+            except OSError as err:
+                where = "; not cached (%s: %s)" % (cache_file, err)
+        if log is not None:
+            log("word vectors: read %s (%.1f MB) in %.1f s, %d of %d words found%s"
+                % (path, os.path.getsize(path) / 1e6, time.perf_counter() - t0, len(found),
+                   len(vocab), where))
 
     rng = np.random.default_rng(seed)
     matrix = rng.uniform(-init_scale, init_scale, size=(len(vocab), dim)).astype(np.float32)
-    found = set()
-    if kept:
-        with tempfile.TemporaryDirectory() as tmp:
-            subset = os.path.join(tmp, "vectors.txt")
-            with io.open(subset, "w", encoding="utf-8") as f:
-                f.write("\n".join(kept) + "\n")
-            try:
-                embedding = nlp.embedding.TokenEmbedding.from_file(subset, elem_delim=" ")
-            except AssertionError as err:  # gluonnlp reports format problems by assert
-                raise ValueError("%s: %s" % (path, err)) from None
-        found = {line.split(" ", 1)[0] for line in kept}
-        found_rows = [i for i, tok in enumerate(vocab.idx_to_token) if tok in found]
-        if found_rows:
-            vectors = embedding[[vocab.idx_to_token[i] for i in found_rows]]
-            matrix[found_rows] = vectors.asnumpy().reshape(len(found_rows), dim)
+    for token, vec in found.items():
+        matrix[vocab.token_to_idx[token]] = vec
     pad = getattr(vocab, "padding_token", None)
     if pad is not None and pad in vocab.token_to_idx and pad not in found:
         matrix[vocab.token_to_idx[pad]] = 0.0
-
-    attached = nlp.embedding.TokenEmbedding(unknown_token=vocab.unknown_token,
-                                            idx_to_token=vocab.idx_to_token,
-                                            idx_to_vec=nd.array(matrix))
-    vocab.set_embedding(attached)
     if return_missing:
         missing = [tok for tok in vocab.idx_to_token if tok not in found]
         return matrix, missing

@@ -31,7 +31,8 @@ from mxnet import autograd, gluon, nd  # noqa: E402
 
 import jitbatch  # noqa: E402  (installs the hybridize(dynamic_batch=...) hook)
 from examples.tree_lstm import data as D  # noqa: E402
-from examples.tree_lstm.model import SimilarityTreeLSTM, expected_score, kl_loss  # noqa: E402
+from examples.tree_lstm.model import (EMBED_UPDATES, SimilarityTreeLSTM,  # noqa: E402
+                                      expected_score, kl_loss)
 
 NUM_CLASSES = 5
 EVAL_CHUNK = 256
@@ -42,57 +43,106 @@ _CTX_RE = re.compile(r"^\s*(cpu|gpu)\s*(?:(?:\(\s*(\d+)\s*\))|(?::\s*(\d+)))?\s*
 # command line
 # ---------------------------------------------------------------------------
 
+#: the data and vectors of the default job (scripts/make_sick_like.py, see README.rst)
+DEFAULT_DATA = "data/sick_medium"
+#: what --embed-size means without vectors to take it from (Tai et al.'s GloVe size)
+DEFAULT_EMBED_SIZE = 300
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help; an option whose default is None or
+    off says in its help what happens without it instead."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="python -m examples.tree_lstm.train",
+        prog="python -m examples.tree_lstm.train", formatter_class=_Formatter,
         description="Child-sum Tree-LSTM semantic relatedness training (Tai et al. 2015) "
-                    "with jitbatch dynamic batching.")
+                    "with jitbatch dynamic batching.",
+        epilog="Spellings of the MXNet tree_lstm example and of treelstm.pytorch are accepted "
+               "as aliases (--word_embed, --glove, --batch_size, --batchsize, --use-gpu, "
+               "--cuda, --freeze_embed, --sparse, --input_dim, --mem_dim, --hidden_dim, "
+               "--optim, ...). Note treelstm.pytorch's meanings: --mem_dim is the Tree-LSTM "
+               "state size (--hidden-size here), --hidden_dim the similarity layer's size "
+               "(--sim-hidden here).")
+    sup = argparse.SUPPRESS
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="data/sick_small", metavar="DIR",
-                   help="SICK-layout directory with train/dev/test (default: %(default)s)")
-    g.add_argument("--word-embed", default=None, metavar="PATH",
-                   help="GloVe-format text vectors to initialise the embedding "
-                        "(default: random initialisation); the embedding stays trainable")
-    g.add_argument("--max-pairs", type=int, default=None, metavar="N",
-                   help="keep only the first N pairs of each split (quick runs)")
+    g.add_argument("--data", default=DEFAULT_DATA, metavar="DIR",
+                   help="SICK-layout directory with train/dev/test")
+    g.add_argument("--word-embed", "--word_embed", "--glove", default="auto", metavar="PATH",
+                   help="GloVe-format text vectors to initialise the embedding: a file, a "
+                        "directory holding one glove*.txt or vectors*.txt file, 'auto' (such a "
+                        "file in --data if there is one, else random vectors) or 'none'. The "
+                        "vectors kept for the vocabulary are cached in DIR/%s"
+                        % D.VECTOR_CACHE_DIR)
+    g.add_argument("--max-pairs", "--max_pairs", type=int, default=None, metavar="N",
+                   help="keep only the first N pairs of each split (quick runs; default: all)")
     m = p.add_argument_group("model")
-    m.add_argument("--embed-size", type=int, default=300)
-    m.add_argument("--hidden-size", type=int, default=150)
-    m.add_argument("--sim-hidden", type=int, default=50)
+    m.add_argument("--embed-size", "--embed_size", "--input_dim", type=int, default=None,
+                   metavar="N",
+                   help="word vector size (default: the vectors' dimension, else %d)"
+                        % DEFAULT_EMBED_SIZE)
+    m.add_argument("--hidden-size", "--hidden_size", "--mem_dim", type=int, default=150,
+                   metavar="N", help="Tree-LSTM state size")
+    m.add_argument("--sim-hidden", "--sim_hidden", "--hidden_dim", type=int, default=50,
+                   metavar="N", help="size of the similarity layer over the two sentence vectors")
+    m.add_argument("--embed-update", "--embed_update", default="frozen", choices=EMBED_UPDATES,
+                   help="how the word embedding is trained: 'frozen' keeps the vectors fixed "
+                        "(Tai et al. for relatedness), 'sparse' updates the rows a minibatch "
+                        "used (without weight decay), 'dense' every row every step")
+    m.add_argument("--freeze-embed", "--freeze_embed", dest="embed_update", action="store_const",
+                   const="frozen", default=sup, help="same as --embed-update frozen")
+    m.add_argument("--sparse-embed", "--sparse_embed", "--sparse", dest="embed_update",
+                   action="store_const", const="sparse", default=sup,
+                   help="same as --embed-update sparse")
+    m.add_argument("--dense-embed", "--dense_embed", dest="embed_update", action="store_const",
+                   const="dense", default=sup, help="same as --embed-update dense")
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=10,
-                   help="training epochs; 0 only evaluates (default: %(default)s)")
-    t.add_argument("--batch-size", type=int, default=25, help="pairs per update")
-    t.add_argument("--lr", type=float, default=0.02)
-    t.add_argument("--wd", type=float, default=1e-4)
-    t.add_argument("--optimizer", default="adagrad")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--ctx", default="cpu", help="cpu, cpu(N), gpu or gpu(N) (default: cpu)")
+    t.add_argument("--epochs", type=int, default=6, help="training epochs; 0 only evaluates")
+    t.add_argument("--batch-size", "--batch_size", "--batchsize", type=int, default=25,
+                   metavar="N", help="pairs per update")
+    t.add_argument("--lr", type=float, default=0.02, help="learning rate")
+    t.add_argument("--wd", type=float, default=1e-4, help="weight decay")
+    t.add_argument("--optimizer", "--optim", default="adagrad", help="MXNet optimizer name")
+    t.add_argument("--seed", type=int, default=0, help="random seed")
+    t.add_argument("--ctx", default="cpu", help="cpu, cpu(N), gpu or gpu(N)")
+    t.add_argument("--use-gpu", "--use_gpu", "--cuda", dest="ctx", action="store_const",
+                   const="gpu", default=sup, help="same as --ctx gpu")
+    t.add_argument("--no-cuda", dest="ctx", action="store_const", const="cpu", default=sup,
+                   help="same as --ctx cpu")
     e = p.add_argument_group("execution")
     e.add_argument("--dynamic-batch", action=argparse.BooleanOptionalAction, default=True,
-                   help="merge per-pair computations with jitbatch (default: on); "
-                        "--no-dynamic-batch runs plain per-sample Gluon")
+                   help="merge per-pair computations with jitbatch; --no-dynamic-batch runs "
+                        "plain per-sample Gluon")
     e.add_argument("--hybridize", action="store_true",
-                   help="with --no-dynamic-batch: run per-sample hybridized blocks")
+                   help="with --no-dynamic-batch: run per-sample hybridized blocks (dynamic "
+                        "batching always runs the blocks' hybridized graphs)")
     e.add_argument("--policy", default="auto", choices=list(jitbatch.POLICIES),
-                   help="jitbatch scheduling policy (default: %(default)s)")
-    e.add_argument("--analysis-budget", type=float, default=None, metavar="FRACTION",
-                   help="jitbatch analysis budget for policy 'auto' (default: none)")
+                   help="jitbatch scheduling policy")
+    e.add_argument("--analysis-budget", "--analysis_budget", type=float, default=None,
+                   metavar="FRACTION",
+                   help="jitbatch analysis budget for policy 'auto' (default: unbounded)")
     e.add_argument("--granularity", default="auto", choices=["auto", "block", "split"],
                    help="jitbatch granularity: 'split' runs the cell's input projections "
                         "as one launch across all tree levels, 'block' inside each "
-                        "level's launch, 'auto' lets the cost model choose (default)")
+                        "level's launch, 'auto' lets the cost model choose")
     e.add_argument("--zero-pad", action=argparse.BooleanOptionalAction, default=True,
                    help="declare the cell's child axis zero-paddable (exact for the "
                         "child-sum cell), so nodes with different child counts share "
-                        "launches (default: on)")
+                        "launches")
     o = p.add_argument_group("input/output")
     o.add_argument("--save", default=None, metavar="PATH",
-                   help="save the best-dev parameters here (net.save_parameters)")
+                   help="save the best-dev parameters here (net.save_parameters; default: not saved)")
     o.add_argument("--load", default=None, metavar="PATH",
-                   help="load parameters before training (with --epochs 0: just evaluate)")
+                   help="load parameters before training (with --epochs 0: just evaluate; default: "
+                        "a fresh initialisation)")
     o.add_argument("--out", default="runs/tree_lstm", metavar="DIR",
-                   help="where metrics.json and learning_curve.png go (default: %(default)s)")
+                   help="where metrics.json and learning_curve.png go")
     o.add_argument("--no-plot", action="store_true", help="do not write learning_curve.png")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -116,17 +166,47 @@ def parse_ctx(text):
     return mx.cpu(idx)
 
 
+def resolve_word_embed(value, data_dir):
+    """The vectors file that ``--word-embed value`` names, or None for random
+    vectors; ValueError says why a value names no usable file."""
+    if value == "none":
+        return None
+    if value == "auto":
+        found = D.find_vector_files(data_dir)
+        if len(found) > 1:
+            raise ValueError("'auto' found several vector files in %s (%s): name one"
+                             % (data_dir, ", ".join(os.path.basename(f) for f in found)))
+        return found[0] if found else None
+    if os.path.isdir(value):
+        found = D.find_vector_files(value)
+        if len(found) != 1:
+            raise ValueError("directory %r holds %s glove*.txt / vectors*.txt files%s: name the "
+                             "file" % (value, len(found) or "no",
+                                       " (%s)" % ", ".join(map(os.path.basename, found))
+                                       if found else ""))
+        return found[0]
+    if not os.path.isfile(value):
+        raise ValueError("file %r does not exist" % value)
+    return value
+
+
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         args.ctx_obj = parse_ctx(args.ctx)
     except ValueError as err:
-        parser.error("argument --ctx: invalid context %r: %s" % (args.ctx, err))
+        parser.error("argument --ctx/--use-gpu: invalid context %r: %s" % (args.ctx, err))
     if not os.path.isdir(args.data):
         parser.error("argument --data: directory %r does not exist" % args.data)
-    if args.word_embed is not None and not os.path.isfile(args.word_embed):
-        parser.error("argument --word-embed: file %r does not exist" % args.word_embed)
+    try:
+        args.word_embed_file = resolve_word_embed(args.word_embed, args.data)
+    except ValueError as err:
+        parser.error("argument --word-embed: %s" % err)
+    if args.embed_size is None:
+        args.embed_size = DEFAULT_EMBED_SIZE
+        if args.word_embed_file is not None:
+            args.embed_size = D.vector_file_dim(args.word_embed_file) or DEFAULT_EMBED_SIZE
     if args.load is not None and not os.path.isfile(args.load):
         parser.error("argument --load: file %r does not exist" % args.load)
     for flag, value, low in (("--epochs", args.epochs, 0), ("--batch-size", args.batch_size, 1),
@@ -173,16 +253,42 @@ def to_examples(pairs, ctx):
 # metrics
 # ---------------------------------------------------------------------------
 
+def _ranks(x):
+    """1-based ranks of ``x``, tied values sharing the mean of their ranks."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.arange(1, len(x) + 1)
+    values, inverse = np.unique(x, return_inverse=True)
+    if len(values) < len(x):   # average the ranks within each group of equal values
+        sums = np.bincount(inverse, weights=ranks)
+        ranks = (sums / np.bincount(inverse))[inverse]
+    return ranks
+
+
+def pearson(x, y):
+    """Pearson's r of two equally long sequences (NaN when either is constant
+    or shorter than 2)."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    x, y = x - x.mean(), y - y.mean()
+    return float(np.dot(x, y) / math.sqrt(np.dot(x, x) * np.dot(y, y)))
+
+
 def correlations(pred, gold):
-    """Pearson r, Spearman rho and MSE (NaN correlations for constant input)."""
-    from scipy import stats as st  # pylint: disable=import-outside-toplevel
+    """Pearson r, Spearman rho (Pearson's r of the ranks, ties averaged) and MSE
+    (NaN correlations for constant input)."""
     pred = np.asarray(pred, dtype=np.float64)
     gold = np.asarray(gold, dtype=np.float64)
     mse = float(np.mean((pred - gold) ** 2)) if len(pred) else float("nan")
-    if len(pred) < 2 or np.ptp(pred) == 0 or np.ptp(gold) == 0:
-        return {"pearson": float("nan"), "spearman": float("nan"), "mse": mse}
-    return {"pearson": float(st.pearsonr(pred, gold)[0]),
-            "spearman": float(st.spearmanr(pred, gold)[0]), "mse": mse}
+    return {"pearson": pearson(pred, gold), "spearman": pearson(_ranks(pred), _ranks(gold)),
+            "mse": mse}
+
+
+def overlap_baseline(pairs):
+    """Pearson r of the word-overlap (Jaccard) of each pair with its score."""
+    return pearson([D.word_overlap(p) for p in pairs], [p.score for p in pairs])
 
 
 def predict(net, examples, chunk=EVAL_CHUNK, bar=None):
@@ -266,33 +372,108 @@ def _fmt(x, spec=".4f"):
     return format(x, spec) if x is not None and math.isfinite(x) else "nan"
 
 
-def plot_curve(path, epochs, title):
+def dev_axis_limits(epochs, extra=(), min_span=0.05):
+    """y-limits of the plot's dev-r axis and whether epoch 0's point lies outside.
+
+    The limits cover the trained epochs' r (epoch >= 1) and the values in
+    ``extra`` (the baseline) with a margin; epoch 0's r (an untrained model's r
+    is far below) is inside only when it would not more than double the span,
+    so a bad start does not flatten the curve that matters."""
+    r = [(e["epoch"], e["dev"]["pearson"]) for e in epochs]
+    r = [(k, v) for k, v in r if v is not None and math.isfinite(v)]
+    trained = [v for k, v in r if k >= 1] + [v for v in extra if v is not None and math.isfinite(v)]
+    start = [v for k, v in r if k == 0]
+    if not trained:
+        trained = start
+    if not trained:
+        return (-1.0, 1.0), False
+    lo, hi = min(trained), max(trained)
+    clipped = False
+    if start:
+        span = max(hi - lo, min_span)
+        if lo - start[0] <= span and start[0] - hi <= span:
+            lo, hi = min(lo, start[0]), max(hi, start[0])
+        else:
+            clipped = True
+    span = max(hi - lo, min_span)
+    pad = 0.12 * span
+    return (lo - pad - (span - (hi - lo)) / 2, hi + pad + (span - (hi - lo)) / 2), clipped
+
+
+def plot_curve(path, epochs, title, best_epoch=None, test=None, baselines=None,
+               start_label="untrained"):
+    """Write the learning curve: train loss (left axis) and dev Pearson r (right
+    axis) per epoch, the best dev epoch marked, the dev word-overlap baseline as
+    a line, the test r in the title.  Returns what was drawn (for tests):
+    ``{"legend": [labels], "dev_ylim": (lo, hi), "start_clipped": bool, "title": str}``."""
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-    fig, ax1 = plt.subplots(figsize=(6, 4))
+    baselines = baselines or {}
+    fig, ax1 = plt.subplots(figsize=(7, 5.2))
     tr = [(e["epoch"], e["train_loss"]) for e in epochs if e.get("train_loss") is not None]
-    dv = [(e["epoch"], e["dev"]["pearson"]) for e in epochs]
     if tr:
-        ax1.plot([a for a, _ in tr], [b for _, b in tr], "o-", color="tab:blue", label="train loss")
+        ax1.plot([a for a, _ in tr], [b for _, b in tr], "o-", color="tab:blue",
+                 label="train loss (KL)")
     ax1.set_xlabel("epoch")
     ax1.set_ylabel("train KL loss", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.plot([a for a, _ in dv], [b if b is not None and math.isfinite(b) else np.nan for _, b in dv],
-             "s-", color="tab:red", label="dev Pearson r")
+    ylim, clipped = dev_axis_limits(epochs, extra=[baselines.get("dev")])
+    dv = [(e["epoch"], e["dev"]["pearson"]) for e in epochs
+          if e["dev"]["pearson"] is not None and math.isfinite(e["dev"]["pearson"])]
+    shown = [(k, v) for k, v in dv if not (clipped and k == 0)]
+    ax2.plot([k for k, _ in shown], [v for _, v in shown], "s-", color="tab:red",
+             label="dev Pearson r")
+    if clipped:
+        r0 = dict(dv)[0]
+        ax2.plot([0], [ylim[0]], "v", color="tab:red", markersize=9, clip_on=False,
+                 label="epoch 0 (%s): dev r %.3f, below the axis" % (start_label, r0))
+    if baselines.get("dev") is not None and math.isfinite(baselines["dev"]):
+        ax2.axhline(baselines["dev"], color="0.4", linestyle="--", linewidth=1,
+                    label="word-overlap baseline (dev): r %.3f" % baselines["dev"])
+    best = dict(dv).get(best_epoch)
+    if best is not None:
+        ax2.plot([best_epoch], [best], "*", color="gold", markeredgecolor="black",
+                 markersize=16, zorder=5,
+                 label="best dev epoch %d: r %.3f" % (best_epoch, best))
+    ax2.set_ylim(*ylim)
     ax2.set_ylabel("dev Pearson r", color="tab:red")
-    ax1.set_title(title)
+    full_title = title
+    if test is not None and test.get("pearson") is not None and math.isfinite(test["pearson"]):
+        full_title += "\ntest r %.3f with epoch %s's parameters" % (
+            test["pearson"], best_epoch if best_epoch is not None else "?")
+        if baselines.get("test") is not None and math.isfinite(baselines["test"]):
+            full_title += " (word-overlap baseline %.3f)" % baselines["test"]
+    ax1.set_title(full_title, fontsize=10)
     ax1.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    handles, labels = [], []
+    for ax in (ax1, ax2):
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    # below the axes: inside, it would cover the curves
+    ax2.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+               fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return {"legend": labels, "dev_ylim": tuple(ylim), "start_clipped": clipped,
+            "title": full_title}
 
 
 # ---------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------
 
+#: what --hybridize means when dynamic batching is on (printed, not ignored)
+HYBRIDIZE_NOTE = ("--hybridize changes nothing with dynamic batching: jitbatch already runs "
+                  "every merged launch as the block's hybridized graph (CachedOp); it selects "
+                  "per-sample hybridized execution only with --no-dynamic-batch")
+
+
 def setup_execution(net, args):
+    """Set up how ``net`` runs; returns ``(description, notes)``."""
+    notes = []
     if args.dynamic_batch:
         if args.zero_pad:
             # absent children (h = c = 0) add nothing to a child-sum cell's outputs
@@ -300,14 +481,16 @@ def setup_execution(net, args):
             jitbatch.zero_pad(net.encoder.cell, ch=1, cc=1)
         net.hybridize(dynamic_batch=True, policy=args.policy,
                       analysis_budget=args.analysis_budget, granularity=args.granularity)
+        if args.hybridize:
+            notes.append(HYBRIDIZE_NOTE)
         return "dynamic batching (policy %s%s%s)" % (
             args.policy, ", child axis zero-padded" if args.zero_pad else "",
-            "" if args.granularity == "auto" else ", granularity " + args.granularity)
+            "" if args.granularity == "auto" else ", granularity " + args.granularity), notes
     if args.hybridize:
         net.hybridize()
-        return "per-sample hybridized"
+        return "per-sample hybridized", notes
     net.hybridize(active=False)
-    return "per-sample imperative"
+    return "per-sample imperative", notes
 
 
 def main(argv=None):
@@ -332,15 +515,18 @@ def main(argv=None):
             parser.error("argument --data: split %r of %r is empty" % (name, args.data))
 
     net = SimilarityTreeLSTM(len(vocab), embed_size=args.embed_size, hidden_size=args.hidden_size,
-                             sim_hidden=args.sim_hidden, num_classes=NUM_CLASSES)
+                             sim_hidden=args.sim_hidden, num_classes=NUM_CLASSES,
+                             embed_update=args.embed_update)
     net.initialize(mx.init.Xavier(), ctx=ctx)
     n_found = None
-    if args.word_embed is not None:
+    if args.word_embed_file is not None:
         try:
-            matrix, missing = D.load_word_vectors(args.word_embed, vocab, args.embed_size,
-                                                  seed=args.seed, return_missing=True)
+            matrix, missing = D.load_word_vectors(
+                args.word_embed_file, vocab, args.embed_size, seed=args.seed,
+                return_missing=True, cache_dir=args.data, progress=not args.quiet, log=log)
         except (OSError, ValueError) as err:
-            parser.error("argument --word-embed: cannot use %r: %s" % (args.word_embed, err))
+            parser.error("argument --word-embed: cannot use %r: %s (--word-embed none starts "
+                         "from random vectors)" % (args.word_embed_file, err))
         net.encoder.embed.weight.set_data(nd.array(matrix, ctx=ctx))
         n_found = len(vocab) - len(missing)
     if args.load is not None:
@@ -351,27 +537,38 @@ def main(argv=None):
                          "embed %d, hidden %d, sim %d): %s"
                          % (args.load, len(vocab), args.embed_size, args.hidden_size,
                             args.sim_hidden, err))
-    mode = setup_execution(net, args)
+    mode, notes = setup_execution(net, args)
+    if args.embed_update == "frozen" and args.word_embed_file is None and args.load is None:
+        notes.append("the embedding is frozen at random vectors (no --word-embed file): "
+                     "pass vectors, or --embed-update dense to train it")
+    for note in notes:
+        log("note: " + note)
 
     train = to_examples(splits["train"], ctx)
     dev = to_examples(splits["dev"], ctx)
     test = to_examples(splits["test"], ctx)
+    baselines = {name: overlap_baseline(splits[name]) for name in ("dev", "test")}
     load_seconds = time.perf_counter() - t_start
-    log("data %s: %d/%d/%d pairs, vocabulary %d%s; %s on %s"
+    log("data %s: %d/%d/%d pairs, vocabulary %d%s; embedding %d-d, %s; %s on %s"
         % (args.data, len(train), len(dev), len(test), len(vocab),
-           "" if n_found is None else ", %d words with vectors" % n_found, mode, ctx))
+           "" if n_found is None else ", %d words with vectors" % n_found, args.embed_size,
+           args.embed_update, mode, ctx))
+    log("word-overlap baseline (Jaccard overlap of the two sentences' words): dev r %s, "
+        "test r %s" % (_fmt(baselines["dev"]), _fmt(baselines["test"])))
 
     loss_fn = kl_loss()
     trainer = gluon.Trainer(net.collect_params(), args.optimizer,
                             {"learning_rate": args.lr, "wd": args.wd})
 
+    # epoch 0: the parameters training starts from
+    start_label = "loaded %s" % args.load if args.load is not None else "untrained"
     eval_pairs, eval_seconds = 0, 0.0
     dev0 = evaluate(net, dev, "dev (epoch 0)", args.quiet)
     eval_pairs += dev0["pairs"]
     eval_seconds += dev0["seconds"]
     epochs = [{"epoch": 0, "train_loss": None, "dev": dev0}]
-    log("epoch 0 (untrained): dev r %s  rho %s  mse %s"
-        % (_fmt(dev0["pearson"]), _fmt(dev0["spearman"]), _fmt(dev0["mse"])))
+    log("epoch 0 (%s): dev r %s  rho %s  mse %s"
+        % (start_label, _fmt(dev0["pearson"]), _fmt(dev0["spearman"]), _fmt(dev0["mse"])))
     best_epoch, best_r = 0, dev0["pearson"]
     best = _snapshot(net)
 
@@ -429,7 +626,10 @@ def main(argv=None):
         "args": args_dict,
         "context": str(ctx),
         "execution": mode,
+        "notes": notes,
+        "start": start_label,
         "vocab_size": len(vocab),
+        "words_with_vectors": n_found,
         "pairs": {"train": len(train), "dev": len(dev), "test": len(test)},
         "epochs": epochs,
         "train_loss": [e["train_loss"] for e in epochs[1:]],
@@ -438,6 +638,7 @@ def main(argv=None):
         "best_epoch": best_epoch,
         "dev": epochs[best_epoch]["dev"],
         "test": te,
+        "baseline_word_overlap": baselines,
         "throughput": {"train_pairs_per_s": train_pps, "eval_pairs_per_s": eval_pps,
                        "train_seconds": train_seconds, "eval_seconds": eval_seconds},
         "load_seconds": load_seconds,
@@ -451,15 +652,21 @@ def main(argv=None):
         json.dump(metrics, f, indent=1, allow_nan=False)
     if not args.no_plot:
         plot_curve(os.path.join(args.out, "learning_curve.png"), epochs,
-                   "Tree-LSTM relatedness (%s)" % os.path.basename(os.path.normpath(args.data)))
+                   "Tree-LSTM relatedness (%s)" % os.path.basename(os.path.normpath(args.data)),
+                   best_epoch=best_epoch, test=te, baselines=baselines,
+                   start_label=start_label)
 
     def _f(x, spec=".4f"):
         return "n/a" if x is None else _fmt(x, spec)
-    print("dev r %s (epoch %d; untrained %s) | test r %s rho %s mse %s | train %s pairs/s, eval %s "
-          "pairs/s | %s | %.1fs"
-          % (_f(metrics["dev"]["pearson"]), best_epoch, _f(epochs[0]["dev"]["pearson"]),
-             _f(te["pearson"]), _f(te["spearman"]), _f(te["mse"]), _f(train_pps, ".1f"),
-             _f(eval_pps, ".1f"), mode, metrics["wall_seconds"]), flush=True)
+    if args.epochs == 0:
+        origin = "%s, not trained further" % start_label
+    else:
+        origin = "epoch %d; %s %s" % (best_epoch, start_label, _f(epochs[0]["dev"]["pearson"]))
+    print("dev r %s (%s) | test r %s rho %s mse %s | word-overlap baseline test r %s | "
+          "train %s pairs/s, eval %s pairs/s | %s | %.1fs"
+          % (_f(metrics["dev"]["pearson"]), origin, _f(te["pearson"]), _f(te["spearman"]),
+             _f(te["mse"]), _f(baselines["test"]), _f(train_pps, ".1f"), _f(eval_pps, ".1f"),
+             mode, metrics["wall_seconds"]), flush=True)
     return metrics
 
 
