@@ -34,33 +34,17 @@ Differences from the Gluon benchmark: DyNet's Glorot init (biases zero), no
 weight decay, the loss is the mean over pairs of the full KL (summed over the
 classes, not averaged) -- none of which changes the work done per step.
 
-Building the DyNet env (offline; only PyPI reachable)
------------------------------------------------------
-DyNet 2.1.2 exists on PyPI only as an sdist whose setup.py downloads an Eigen
-snapshot from GitHub.  Instead, Eigen 3.4.0 headers are taken from the
-``cmeel-eigen`` wheel (under ``cmeel.prefix/include/eigen3``) and passed in
-EIGEN3_INCLUDE_DIR, which setup.py and CMakeLists.txt both read; MAKE_FLAGS
-sets make's parallelism.  cmake 3.25, make and g++ 12.2 were already on the
-system.  Eigen 3.4.0 compiled unchanged (warnings only, no source edits).
-Commands as run (Python 3.11, ~15 min on 2 cores)::
-
-    python3 -m venv /tmp/dynet-venv
-    mkdir -p /tmp/dynet-build && cd /tmp/dynet-build
-    /tmp/dynet-venv/bin/pip download --no-deps --no-binary :all: dynet  # dyNET-2.1.2.tar.gz
-    /tmp/dynet-venv/bin/pip download --no-deps cmeel-eigen==3.4.0 -d eig
-    mkdir eigen && (cd eigen && unzip -q ../eig/cmeel_eigen-3.4.0-0-*.whl)
-    tar xzf dyNET-2.1.2.tar.gz
-    /tmp/dynet-venv/bin/pip install "cython<3" numpy setuptools wheel
-    cd dyNET-2.1.2
-    export EIGEN3_INCLUDE_DIR=/tmp/dynet-build/eigen/cmeel.prefix/include/eigen3
-    export MAKE_FLAGS=-j2
-    nice -n 10 /tmp/dynet-venv/bin/pip install -v --no-build-isolation --no-deps .
-    # ^ compiles and installs libdynet.so into /tmp/dynet-venv/lib, builds the
-    #   Cython extension, then fails while packing the wheel: "No such file or
-    #   directory: 'LICENSE.txt'" (setup.py has chdir'ed into its build dir).
-    cp LICENSE.txt build/py3.11-64bit/python/
-    nice -n 10 /tmp/dynet-venv/bin/pip install -v --no-build-isolation --no-deps .
-    # ^ incremental, a few minutes: "Successfully installed dyNET-2.1.2"
+Building the DyNet env
+----------------------
+``scripts/build_dynet.sh [VENV_DIR]`` (default /tmp/dynet-venv; 5-15 min on 2
+cores, run it under ``nice``) makes the venv and builds DyNet 2.1.2 natively
+(DyNet's Release flags include -march=native) from its PyPI sdist, with Eigen
+3.4.0 headers from the ``cmeel-eigen`` wheel (or Debian's libeigen3-dev:
+DYNET_EIGEN=apt), Cython < 3, and the system's cmake, make and g++; it works
+around the sdist's failure to pack its wheel (LICENSE.txt looked for in the
+build directory), skips the build when the venv already imports DyNet, and
+ends by running a tiny autobatched training step.  The prebuilt ``dyNET38``
+wheel is compiled for generic x86-64 and would understate DyNet: not used.
 
 Running
 -------
@@ -85,7 +69,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEFAULT_EIGEN = "/tmp/dynet-build/eigen/cmeel.prefix/include/eigen3"
+# where scripts/build_dynet.sh noted the Eigen headers it built this venv's DyNet with
+EIGEN_NOTE = os.path.join(sys.prefix, "eigen3-include")
 NUM_CLASSES = 5
 UNK, PAD = "<unk>", "<pad>"
 
@@ -329,6 +314,14 @@ def run_child(args):
 # Driver
 # ---------------------------------------------------------------------------
 
+def default_eigen_include():
+    try:
+        with open(EIGEN_NOTE) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
 def eigen_version(include_dir):
     path = os.path.join(include_dir or "", "Eigen", "src", "Core", "util", "Macros.h")
     try:
@@ -366,8 +359,9 @@ def build_parser():
     ap.add_argument("--mem", default="1024", help="DyNet memory pool (MB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eigen-include",
-                    default=os.environ.get("EIGEN3_INCLUDE_DIR", DEFAULT_EIGEN),
-                    help="Eigen headers DyNet was built with (only to record the version)")
+                    default=os.environ.get("EIGEN3_INCLUDE_DIR") or default_eigen_include(),
+                    help="Eigen headers DyNet was built with (only to record the version; "
+                         "default: what scripts/build_dynet.sh noted in %s)" % EIGEN_NOTE)
     ap.add_argument("--json", default=os.path.join(ROOT, "runs", "bench_dynet.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
