@@ -73,9 +73,9 @@ minibatch and the same predictions on it (rtol 1e-4), and the same gradients
 storage type: with --embed-update sparse the embedding's is row-sparse in
 every mode; frozen, it has none); the script aborts otherwise. Then the modes
 are timed in interleaved rounds (a warm-up minibatch, then the timed ones,
-per mode and round); ratios are taken within
-each round and the median over rounds is printed, so a noisy machine moves
-all modes alike. Per-sample modes (--slow-modes) are slow and get only
+per mode and round); ratios (vs plain, vs hand, vs dynet: each mode's
+pairs/s over that mode's) are taken within each round and the median over
+rounds is printed, so a noisy machine moves all modes alike. Per-sample modes (--slow-modes) are slow and get only
 --slow-batches minibatches per round, after a warm-up of 8 pairs (per-sample
 code has nothing that a bigger warm-up would warm).
 
@@ -513,6 +513,7 @@ def main(argv=None, script=None):
             table[m] = {"pairs_per_s": median(rates[w][m]), "rates": rates[w][m],
                         "vs_plain": ratio_medians(rates[w], m, "plain"),
                         "vs_hand": ratio_medians(rates[w], m, "hand"),
+                        "vs_dynet": ratio_medians(rates[w], m, "dynet"),
                         "analysis_fraction": median(analysis[w].get(m, [])),
                         "execute_fraction": median(execute[w].get(m, [])),
                         "release_fraction": median(release[w].get(m, [])),
@@ -528,14 +529,14 @@ def main(argv=None, script=None):
               % (title, EMBED_WORDS[args.embed_update], sizes[w], result["threads"], args.rounds,
                  ", fresh minibatches each round (%d available)" % avail[w]
                  if args.fresh else ""))
-        print("%-15s %9s %9s %9s %9s %9s %9s %9s %9s %8s" % (
-            "mode", "pairs/s", "vs plain", "vs hand", "analysis", "execute", "release",
-            "main busy", "kernels", "batches"))
+        print("%-15s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s" % (
+            "mode", "pairs/s", "vs plain", "vs hand", "vs dynet", "analysis", "execute",
+            "release", "main busy", "kernels", "batches"))
         for m in names:
             row = table[m]
-            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %9s %8d" % (
+            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %9s %9s %8d" % (
                 m, row["pairs_per_s"], times(row["vs_plain"]), times(row["vs_hand"]),
-                percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
+                times(row["vs_dynet"]), percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
                 percent(row["release_fraction"]), percent(row["main_thread_busy"]),
                 percent(row["other_threads_busy"]), row["timed_batches"]))
         if "jit:auto" in names and not chosen[w].get("flush_policies"):
