@@ -171,14 +171,14 @@ place_license() {
 }
 
 # --- build ------------------------------------------------------------------------------
-install_dynet() {
+install_dynet() {  # LOG
     # setup.py reads EIGEN3_INCLUDE_DIR and MAKE_FLAGS from the environment; it
     # runs cmake + make (libdynet.so into VENV/lib), then the Cython extension
     # (the full log to a file; make's progress lines and setup.py's steps shown)
     local rc
     (cd "$SRC" && EIGEN3_INCLUDE_DIR="$EIGEN" MAKE_FLAGS="-j$JOBS" \
         "$VPY" -m pip install -v --no-build-isolation --no-deps . ) 2>&1 \
-        | tee "$BUILD/pip-install.log" \
+        | tee "$1" \
         | grep --line-buffered -E '^ *\[ *[0-9]+%\]|INFO:root|Successfully|rror'
     rc=${PIPESTATUS[0]}
     return "$rc"
@@ -187,14 +187,15 @@ install_dynet() {
 place_license
 start=$(date +%s)
 say "compiling DyNet $DYNET_VERSION (full log: $BUILD/pip-install.log)"
-if ! install_dynet; then
+if ! install_dynet "$BUILD/pip-install.log"; then
     if grep -q "No such file or directory: 'LICENSE.txt'" "$BUILD/pip-install.log"; then
         # the build directory was named differently than predicted: the library
         # is built by now, so place the file everywhere it may be looked for and
         # repack (incremental: a few minutes)
         say "wheel packing did not find LICENSE.txt: copying it and retrying"
         place_license
-        install_dynet || die "pip install failed again; see $BUILD/pip-install.log"
+        install_dynet "$BUILD/pip-install-retry.log" \
+            || die "pip install failed again; see $BUILD/pip-install-retry.log"
     else
         die "pip install failed; see the end of $BUILD/pip-install.log"
     fi
