@@ -50,9 +50,11 @@ def load_pairs(path, n):
 class Runner(object):
     """One model, switched between execution modes; the same parameters for all."""
 
-    def __init__(self, vocab_size, seed=0):
+    def __init__(self, vocab_size, seed=0, embed_update="dense"):
         mx.random.seed(seed)
-        self.net = SimilarityTreeLSTM(vocab_size)
+        # embed_update: how the embedding is trained (see model.EMBED_UPDATES);
+        # the model sets the embedding's grad_req / sparse_grad / wd_mult itself
+        self.net = SimilarityTreeLSTM(vocab_size, embed_update=embed_update)
         self.net.initialize(mx.init.Xavier())
         self.loss = gluon.loss.KLDivLoss(from_logits=True)
         self.trainer = gluon.Trainer(self.net.collect_params(), "adagrad",

@@ -34,38 +34,30 @@ Differences from the Gluon benchmark: DyNet's Glorot init (biases zero), no
 weight decay, the loss is the mean over pairs of the full KL (summed over the
 classes, not averaged) -- none of which changes the work done per step.
 
-Building the DyNet env (offline; only PyPI reachable)
------------------------------------------------------
-DyNet 2.1.2 exists on PyPI only as an sdist whose setup.py downloads an Eigen
-snapshot from GitHub.  Instead, Eigen 3.4.0 headers are taken from the
-``cmeel-eigen`` wheel (under ``cmeel.prefix/include/eigen3``) and passed in
-EIGEN3_INCLUDE_DIR, which setup.py and CMakeLists.txt both read; MAKE_FLAGS
-sets make's parallelism.  cmake 3.25, make and g++ 12.2 were already on the
-system.  Eigen 3.4.0 compiled unchanged (warnings only, no source edits).
-Commands as run (Python 3.11, ~15 min on 2 cores)::
+The word embedding is trained as --embed-update says, as the Gluon benchmark's
+option of that name does (scripts/bench_tree_lstm.py passes its choice on):
+frozen (lookups with ``update=False``: no gradient, no update; the default, as
+in Tai et al. for relatedness), sparse (DyNet's default for lookup parameters:
+only the rows a minibatch used are updated) or dense (every row every step:
+``trainer.set_sparse_updates(False)``).
 
-    python3 -m venv /tmp/dynet-venv
-    mkdir -p /tmp/dynet-build && cd /tmp/dynet-build
-    /tmp/dynet-venv/bin/pip download --no-deps --no-binary :all: dynet  # dyNET-2.1.2.tar.gz
-    /tmp/dynet-venv/bin/pip download --no-deps cmeel-eigen==3.4.0 -d eig
-    mkdir eigen && (cd eigen && unzip -q ../eig/cmeel_eigen-3.4.0-0-*.whl)
-    tar xzf dyNET-2.1.2.tar.gz
-    /tmp/dynet-venv/bin/pip install "cython<3" numpy setuptools wheel
-    cd dyNET-2.1.2
-    export EIGEN3_INCLUDE_DIR=/tmp/dynet-build/eigen/cmeel.prefix/include/eigen3
-    export MAKE_FLAGS=-j2
-    nice -n 10 /tmp/dynet-venv/bin/pip install -v --no-build-isolation --no-deps .
-    # ^ compiles and installs libdynet.so into /tmp/dynet-venv/lib, builds the
-    #   Cython extension, then fails while packing the wheel: "No such file or
-    #   directory: 'LICENSE.txt'" (setup.py has chdir'ed into its build dir).
-    cp LICENSE.txt build/py3.11-64bit/python/
-    nice -n 10 /tmp/dynet-venv/bin/pip install -v --no-build-isolation --no-deps .
-    # ^ incremental, a few minutes: "Successfully installed dyNET-2.1.2"
+Building the DyNet env
+----------------------
+``scripts/build_dynet.sh [VENV_DIR]`` (default /tmp/dynet-venv; 5-15 min on 2
+cores, run it under ``nice``) makes the venv and builds DyNet 2.1.2 natively
+(DyNet's Release flags include -march=native) from its PyPI sdist, with Eigen
+3.4.0 headers from the ``cmeel-eigen`` wheel (or Debian's libeigen3-dev:
+DYNET_EIGEN=apt), Cython < 3, and the system's cmake, make and g++; it works
+around the sdist's failure to pack its wheel (LICENSE.txt looked for in the
+build directory), skips the build when the venv already imports DyNet, and
+ends by running a tiny autobatched training step.  The prebuilt ``dyNET38``
+wheel is compiled for generic x86-64 and would understate DyNet: not used.
 
 Running
 -------
     /tmp/dynet-venv/bin/python scripts/bench_dynet.py            # ~20 s (5 rounds)
     /tmp/dynet-venv/bin/python scripts/bench_dynet.py --rounds 1 --modes 1
+    /tmp/dynet-venv/bin/python scripts/bench_dynet.py --embed-update sparse
     /tmp/dynet-venv/bin/python scripts/bench_dynet.py --json runs/bench_dynet.json
 
 Writes runs/bench_dynet.json by default (pairs/s per workload and autobatch
@@ -85,7 +77,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEFAULT_EIGEN = "/tmp/dynet-build/eigen/cmeel.prefix/include/eigen3"
+# where scripts/build_dynet.sh noted the Eigen headers it built this venv's DyNet with
+EIGEN_NOTE = os.path.join(sys.prefix, "eigen3-include")
+EMBED_UPDATES = ("frozen", "sparse", "dense")
 NUM_CLASSES = 5
 UNK, PAD = "<unk>", "<pad>"
 
@@ -196,9 +190,12 @@ def load(data_dir, n):
 # ---------------------------------------------------------------------------
 
 class TreeLSTMSim(object):
-    def __init__(self, dy, vocab_size, embed=300, hidden=150, sim_hidden=50):
+    def __init__(self, dy, vocab_size, embed=300, hidden=150, sim_hidden=50,
+                 train_embed=True):
         self.dy = dy
         self.hidden = hidden
+        # False: lookups of the embedding are constants (no gradient, no update)
+        self.train_embed = train_embed
         pc = self.pc = dy.ParameterCollection()
         zero = dy.ConstInitializer(0.0)
         self.emb = pc.add_lookup_parameters((vocab_size, embed))
@@ -219,7 +216,7 @@ class TreeLSTMSim(object):
         ids, kids, order, root = side
         h, c = {}, {}
         for node in order:
-            x = dy.lookup(self.emb, ids[node])
+            x = dy.lookup(self.emb, ids[node], update=self.train_embed)
             ch = kids[node]
             if ch:
                 hs = [h[k] for k in ch]
@@ -270,8 +267,11 @@ def run_child(args):
     import dynet as dy
 
     pairs, vocab_size = load(args.data, args.pairs)
-    model = TreeLSTMSim(dy, vocab_size)
+    model = TreeLSTMSim(dy, vocab_size, train_embed=args.embed_update != "frozen")
     trainer = dy.AdagradTrainer(model.pc, learning_rate=0.02)
+    if args.embed_update == "dense":
+        # every row of the lookup table updated every step, not only those used
+        trainer.set_sparse_updates(False)
     ks = [float(k) for k in range(1, NUM_CLASSES + 1)]
 
     def train_step(batch):
@@ -311,7 +311,7 @@ def run_child(args):
         dt = time.perf_counter() - t0
         return first, count * size / dt, dt, splits
 
-    out = {"autobatch": int(args.child)}
+    out = {"autobatch": int(args.child), "embed_update": args.embed_update}
     if "train" in args.workloads:
         first_kl, rate, dt, splits = timed(train_step, args.train_size, args.train_batches)
         out["train"] = {"pairs_per_s": rate, "seconds": dt, "first_loss": first_kl,
@@ -328,6 +328,14 @@ def run_child(args):
 # ---------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------
+
+def default_eigen_include():
+    try:
+        with open(EIGEN_NOTE) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
 
 def eigen_version(include_dir):
     path = os.path.join(include_dir or "", "Eigen", "src", "Core", "util", "Macros.h")
@@ -365,9 +373,14 @@ def build_parser():
     ap.add_argument("--workloads", default="train,infer")
     ap.add_argument("--mem", default="1024", help="DyNet memory pool (MB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--embed-update", choices=EMBED_UPDATES, default="frozen",
+                    help="how the word embedding is trained: frozen (lookups not "
+                         "updated), sparse (the rows used; DyNet's default) or dense "
+                         "(every row every step); default: %(default)s")
     ap.add_argument("--eigen-include",
-                    default=os.environ.get("EIGEN3_INCLUDE_DIR", DEFAULT_EIGEN),
-                    help="Eigen headers DyNet was built with (only to record the version)")
+                    default=os.environ.get("EIGEN3_INCLUDE_DIR") or default_eigen_include(),
+                    help="Eigen headers DyNet was built with (only to record the version; "
+                         "default: what scripts/build_dynet.sh noted in %s)" % EIGEN_NOTE)
     ap.add_argument("--json", default=os.path.join(ROOT, "runs", "bench_dynet.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -400,7 +413,8 @@ def main(argv=None):
                        "--infer-size", str(args.infer_size),
                        "--infer-batches", str(args.infer_batches),
                        "--workloads", ",".join(args.workloads),
-                       "--mem", str(args.mem), "--seed", str(args.seed)]
+                       "--mem", str(args.mem), "--seed", str(args.seed),
+                       "--embed-update", args.embed_update]
                 t0 = time.perf_counter()
                 proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)
@@ -421,7 +435,7 @@ def main(argv=None):
                "eigen_version": eigen_version(args.eigen_include),
                "eigen_include": args.eigen_include,
                "python": platform.python_version(),
-               "threads": 1,
+               "threads": 1, "embed_update": args.embed_update,
                "data": args.data, "pairs_loaded": args.pairs, "rounds": args.rounds,
                "workloads": {}}
     for w in args.workloads:
@@ -445,8 +459,10 @@ def main(argv=None):
         summary["first_loss_max_rel_diff"] = (max(firsts) - min(firsts)) / abs(firsts[0])
 
     print()
-    print("DyNet %s (Eigen %s), 1 thread, %d round(s), median pairs/s"
-          % (summary["dynet_version"], summary["eigen_version"], args.rounds))
+    print("DyNet %s (Eigen %s), 1 thread, %d round(s), median pairs/s; embedding %s"
+          % (summary["dynet_version"], summary["eigen_version"], args.rounds,
+             {"frozen": "frozen", "sparse": "rows used updated (sparse)",
+              "dense": "updated densely (every row)"}[args.embed_update]))
     head = "%-22s" % "workload" + "".join("%16s" % ("autobatch=%d" % m) for m in modes)
     if 1 in modes and 0 in modes:
         head += "%12s" % "on/off"

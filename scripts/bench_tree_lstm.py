@@ -5,6 +5,18 @@ scripts/make_sick_like.py --full when missing). Two workloads:
 
 * training: minibatches of --train-size pairs (25), forward + one backward of
   the summed KL loss + Adagrad update (lr 0.02, wd 1e-4);
+* the word embedding (2,810 x 300: 75% of the parameters) is trained as
+  --embed-update says, in every mode (they share the model's blocks) and on
+  the DyNet side alike; every table names the choice:
+    frozen  not trained (the default: Tai et al. keep the word vectors fixed
+            for relatedness); MXNet: grad_req 'null'; DyNet: lookups with
+            update=False
+    sparse  only the rows a minibatch used are updated; MXNet:
+            Embedding(sparse_grad=True), a row-sparse gradient updated lazily by
+            Adagrad (wd 0 on that parameter, as row-sparse updates need); DyNet:
+            its default for lookup parameters
+    dense   every row every step: a dense gradient and a full Adagrad update
+            of the whole matrix; DyNet: trainer.set_sparse_updates(False)
 * inference: minibatches of --infer-size pairs (256), forward only, every
   prediction (expected score) read back to numpy.
 
@@ -33,7 +45,7 @@ Modes (all on ONE model, so the same parameters):
               (jitbatch.config.fast_activations = False)
   dynet       DyNet 2.1's automatic batching on the same model written per sample
               (scripts/bench_dynet.py), with --dynet PYTHON: an interpreter that can
-              import dynet (its own virtual env, see that script's docstring). Each
+              import dynet (its own virtual env: scripts/build_dynet.sh builds it). Each
               round runs it in a child process of that interpreter between the other
               modes, so its ratios are taken in the same rounds. Its parameters are
               its own (DyNet's initialisation): it is left out of the equal-loss check.
@@ -56,11 +68,14 @@ shapes are all prepared after the first round. Within a round every mode
 times the same minibatches.
 
 Before timing, every mode must give the same loss on the first training
-minibatch and the same predictions on it (rtol 1e-4); the script aborts
-otherwise. Then the modes are timed in interleaved rounds (a warm-up
-minibatch, then the timed ones, per mode and round); ratios are taken within
-each round and the median over rounds is printed, so a noisy machine moves
-all modes alike. Per-sample modes (--slow-modes) are slow and get only
+minibatch and the same predictions on it (rtol 1e-4), and the same gradients
+(each parameter within 1e-4 of its largest reference entry, and of the same
+storage type: with --embed-update sparse the embedding's is row-sparse in
+every mode; frozen, it has none); the script aborts otherwise. Then the modes
+are timed in interleaved rounds (a warm-up minibatch, then the timed ones,
+per mode and round); ratios (vs plain, vs hand, vs dynet: each mode's
+pairs/s over that mode's) are taken within each round and the median over
+rounds is printed, so a noisy machine moves all modes alike. Per-sample modes (--slow-modes) are slow and get only
 --slow-batches minibatches per round, after a warm-up of 8 pairs (per-sample
 code has nothing that a bigger warm-up would warm).
 
@@ -107,6 +122,12 @@ ALL_MODES = ("plain", "hybrid", "fold", "hand", "hand:act", "jit:depth", "jit:ag
              "jit:auto:split", "jit:auto:nopipe", "jit:auto")
 _REEXEC_GUARD = "JITBATCH_BENCH_REEXEC"
 SLOW_WARM = 8   # pairs in the warm-up minibatch of a slow (per-sample) mode
+# examples.tree_lstm.model.EMBED_UPDATES, repeated here: that module imports
+# mxnet, which must not be loaded before --threads is applied
+EMBED_UPDATES = ("frozen", "sparse", "dense")
+EMBED_WORDS = {"frozen": "embedding frozen",
+               "sparse": "embedding rows used updated (sparse)",
+               "dense": "embedding updated densely (every row)"}
 
 
 def build_parser():
@@ -141,6 +162,11 @@ def build_parser():
                          "for), wrapping around when the training split runs out; "
                          "default: every round times the same minibatches")
     ap.add_argument("--json", metavar="PATH", help="save the results table as JSON")
+    ap.add_argument("--embed-update", choices=EMBED_UPDATES, default="frozen",
+                    help="how the word embedding is trained, in every mode and on the "
+                         "DyNet side: frozen (not trained; Tai et al.'s choice, the "
+                         "default), sparse (the rows a minibatch used) or dense (every "
+                         "row every step); default: %(default)s")
     ap.add_argument("--dynet", metavar="PYTHON",
                     help="interpreter with DyNet installed: adds mode 'dynet' (autobatching)")
     return ap
@@ -206,13 +232,15 @@ def imports():
 class Modes(object):
     """The bench_core model (one set of parameters) plus hand batching and inference."""
 
-    def __init__(self, bench_core, vocab_size, seed):
+    def __init__(self, bench_core, vocab_size, seed, embed_update="frozen"):
         from mxnet import autograd, nd
         from examples.tree_lstm.fold_batched import FoldBatched
         from examples.tree_lstm.hand_batched import HandBatched
         from examples.tree_lstm.model import expected_score
         self.nd, self.autograd, self.expected_score = nd, autograd, expected_score
-        self.run = bench_core.Runner(vocab_size, seed=seed)
+        # every mode runs on this one model's blocks, so the embedding's
+        # treatment (grad_req, sparse_grad, wd_mult) holds in all of them
+        self.run = bench_core.Runner(vocab_size, seed=seed, embed_update=embed_update)
         self.net = self.run.net
         hand = HandBatched(self.net, hybridize=False)
         self.act_blocks = (hand.embed, hand.cell, hand.similarity)
@@ -277,7 +305,8 @@ def run_dynet(args, workload, batches):
         cmd = [args.dynet, os.path.join(HERE, "bench_dynet.py"), "--child", "1",
                "--child-out", out, "--data", args.data, "--pairs", str(size * (batches + 1)),
                "--workloads", workload, "--%s-size" % workload, str(size),
-               "--%s-batches" % workload, str(batches)]
+               "--%s-batches" % workload, str(batches),
+               "--embed-update", args.embed_update]
         env = dict(os.environ, MKL_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
@@ -290,25 +319,57 @@ def run_dynet(args, workload, batches):
         os.unlink(out)
 
 
-def check_same(modes, names, batch):
-    """Loss (training, no update) and predictions of the first minibatch in every mode."""
+def gradients(net):
+    """{parameter name: (storage type, dense numpy gradient)} of the trained
+    parameters (a frozen one has no gradient and is left out)."""
+    return {name: (p.grad().stype, p.grad().tostype("default").asnumpy())
+            for name, p in net.collect_params().items() if p.grad_req != "null"}
+
+
+def grad_gap(grads, ref):
+    """Worst disagreement of two gradients(): per parameter, the largest entry
+    difference over the reference's largest entry (inf if the storage types or
+    the set of trained parameters differ), and that parameter's name."""
     import numpy as np
-    loss, pred = {}, {}
+    if set(grads) != set(ref):
+        return float("inf"), "trained parameters %s vs %s" % (sorted(grads), sorted(ref))
+    worst, where = 0.0, None
+    for name, (stype, g) in grads.items():
+        rstype, r = ref[name]
+        gap = (float("inf") if stype != rstype
+               else float(np.abs(g - r).max()) / max(float(np.abs(r).max()), 1e-12))
+        if gap > worst:
+            worst, where = gap, "%s (%s gradient, reference's %s)" % (name, stype, rstype)
+    return worst, where
+
+
+def check_same(modes, names, batch):
+    """Loss (training, no update), gradients and predictions of the first
+    minibatch in every mode. Returns the losses and the embedding gradient's
+    storage type (None when frozen)."""
+    import numpy as np
+    loss, pred, grads = {}, {}, {}
     for m in names:
         modes.mode(m)
         loss[m] = modes.train_step(batch, update=False)
+        grads[m] = gradients(modes.net)
         pred[m] = modes.infer_step(batch)
     ref = names[0]
+    gaps = {m: grad_gap(grads[m], grads[ref]) for m in names}
     bad = [m for m in names if not np.isclose(loss[m], loss[ref], rtol=1e-4)]
     bad += [m for m in names if m not in bad
             and not np.allclose(pred[m], pred[ref], rtol=1e-4, atol=1e-5)]
+    # float sums in another order: gradients agree to ~2e-6 of their scale
+    bad += [m for m in names if m not in bad and not gaps[m][0] <= 1e-4]
     if bad:
-        lines = ["  %-11s loss %.7f  max |pred - %s pred| %.3g"
-                 % (m, loss[m], ref, float(np.abs(pred[m] - pred[ref]).max())) for m in names]
+        lines = ["  %-11s loss %.7f  max |pred - %s pred| %.3g  gradient gap %.3g%s"
+                 % (m, loss[m], ref, float(np.abs(pred[m] - pred[ref]).max()), gaps[m][0],
+                    " in %s" % gaps[m][1] if gaps[m][1] else "") for m in names]
         raise SystemExit("ABORT: the modes do not compute the same model on the first "
-                         "minibatch (%s differ from %s):\n%s"
-                         % (", ".join(bad), ref, "\n".join(lines)))
-    return loss
+                         "minibatch (%s differ from %s; embedding %s):\n%s"
+                         % (", ".join(bad), ref, modes.net.embed_update, "\n".join(lines)))
+    emb = modes.net.encoder.embed.weight.name
+    return loss, grads[ref][emb][0] if emb in grads[ref] else None
 
 
 def _secs(x):
@@ -361,11 +422,13 @@ def main(argv=None, script=None):
                                   os.environ.get("OMP_NUM_THREADS"),
                                   os.environ.get("OMP_WAIT_POLICY", "(unset)")), flush=True)
 
-    modes = Modes(bench_core, vocab_size, args.seed)
+    modes = Modes(bench_core, vocab_size, args.seed, embed_update=args.embed_update)
     same = [m for m in names if m != "dynet"]
-    first = check_same(modes, same, pairs[:args.train_size])
-    print("first training minibatch: loss %.6f in every mode (%s); predictions equal"
-          % (first[same[0]], ", ".join(same)), flush=True)
+    first, emb_stype = check_same(modes, same, pairs[:args.train_size])
+    print("first training minibatch: loss %.6f in every mode (%s); predictions and "
+          "gradients equal (%s: %s)"
+          % (first[same[0]], ", ".join(same), EMBED_WORDS[args.embed_update],
+             "no gradient" if emb_stype is None else "%s gradient" % emb_stype), flush=True)
 
     step = {"train": modes.train_step, "infer": modes.infer_step}
     settle = [m for m in names if m.startswith("jit:")] if args.settle else []
@@ -440,7 +503,8 @@ def main(argv=None, script=None):
 
     result = {"threads": os.environ.get("OMP_NUM_THREADS"),
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
-              "first_loss": first[same[0]], "args": {k: v for k, v in vars(args).items()
+              "first_loss": first[same[0]], "embed_update": args.embed_update,
+              "embedding_grad_stype": emb_stype, "args": {k: v for k, v in vars(args).items()
                                                      if k not in ("slow",)},
               "workloads": {}}
     for w in args.workload_list:
@@ -449,6 +513,7 @@ def main(argv=None, script=None):
             table[m] = {"pairs_per_s": median(rates[w][m]), "rates": rates[w][m],
                         "vs_plain": ratio_medians(rates[w], m, "plain"),
                         "vs_hand": ratio_medians(rates[w], m, "hand"),
+                        "vs_dynet": ratio_medians(rates[w], m, "dynet"),
                         "analysis_fraction": median(analysis[w].get(m, [])),
                         "execute_fraction": median(execute[w].get(m, [])),
                         "release_fraction": median(release[w].get(m, [])),
@@ -459,18 +524,19 @@ def main(argv=None, script=None):
         title = ("training (forward + backward + Adagrad)" if w == "train"
                  else "inference (forward, predictions read)")
         print()
-        print("%s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved rounds%s"
-              % (title, sizes[w], result["threads"], args.rounds,
+        print("%s, %s, minibatch %d pairs, OMP_NUM_THREADS=%s, median of %d interleaved "
+              "rounds%s"
+              % (title, EMBED_WORDS[args.embed_update], sizes[w], result["threads"], args.rounds,
                  ", fresh minibatches each round (%d available)" % avail[w]
                  if args.fresh else ""))
-        print("%-15s %9s %9s %9s %9s %9s %9s %9s %9s %8s" % (
-            "mode", "pairs/s", "vs plain", "vs hand", "analysis", "execute", "release",
-            "main busy", "kernels", "batches"))
+        print("%-15s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s" % (
+            "mode", "pairs/s", "vs plain", "vs hand", "vs dynet", "analysis", "execute",
+            "release", "main busy", "kernels", "batches"))
         for m in names:
             row = table[m]
-            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %9s %8d" % (
+            print("%-15s %9.1f %9s %9s %9s %9s %9s %9s %9s %9s %8d" % (
                 m, row["pairs_per_s"], times(row["vs_plain"]), times(row["vs_hand"]),
-                percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
+                times(row["vs_dynet"]), percent(row["analysis_fraction"]), percent(row["execute_fraction"]),
                 percent(row["release_fraction"]), percent(row["main_thread_busy"]),
                 percent(row["other_threads_busy"]), row["timed_batches"]))
         if "jit:auto" in names and not chosen[w].get("flush_policies"):

@@ -27,6 +27,11 @@ state, so a child with ``h = c = 0`` adds nothing to the outputs, and, as
 ``d(f_k * c_k)/d f_k = c_k = 0``, nothing to any parameter gradient either.
 Leaves get one zero child, as in the per-sample model.
 
+The embedding is the net's own block, so the net's ``embed_update`` holds here
+as well: frozen, no gradient; sparse, the one ``Embedding`` call over all the
+minibatch's tokens gives one row-sparse gradient (the rows used); dense, a
+dense one.
+
 Works under ``autograd.record()`` (training) and outside it (inference).
 """
 import numpy as np
