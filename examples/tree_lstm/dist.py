@@ -303,7 +303,8 @@ class Worker(Local):
         signature table holds dynamic-batch blocks (and so the network) for the
         life of the process; the destructor then runs after MXNet's atexit
         shutdown and aborts the process ("terminate called without an active
-        exception").  After close() the trainer cannot step again."""
+        exception").  After close() the trainer has no kvstore: a further
+        step() would update this worker alone."""
         if self.kv is None:
             return
         alive = weakref.ref(self.kv)
