@@ -27,10 +27,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np  # noqa: E402
 import mxnet as mx  # noqa: E402
-from mxnet import autograd, gluon, nd  # noqa: E402
+from mxnet import autograd, nd  # noqa: E402
 
 import jitbatch  # noqa: E402  (installs the hybridize(dynamic_batch=...) hook)
 from examples.tree_lstm import data as D  # noqa: E402
+from examples.tree_lstm import dist  # noqa: E402
 from examples.tree_lstm.model import (EMBED_UPDATES, SimilarityTreeLSTM,  # noqa: E402
                                       expected_score, kl_loss)
 
@@ -145,6 +146,7 @@ def build_parser():
                    help="where metrics.json and learning_curve.png go")
     o.add_argument("--no-plot", action="store_true", help="do not write learning_curve.png")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
+    dist.add_arguments(p)
     return p
 
 
@@ -495,6 +497,7 @@ def setup_execution(net, args):
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    cluster = dist.connect(args, parser)  # one process, or one worker of a dist_sync job
     ctx = args.ctx_obj
     log = lambda *a: print(*a, flush=True)  # noqa: E731  (--quiet only hides the bars)
 
@@ -538,6 +541,7 @@ def main(argv=None):
                          % (args.load, len(vocab), args.embed_size, args.hidden_size,
                             args.sim_hidden, err))
     mode, notes = setup_execution(net, args)
+    mode += cluster.describe()
     if args.embed_update == "frozen" and args.word_embed_file is None and args.load is None:
         notes.append("the embedding is frozen at random vectors (no --word-embed file): "
                      "pass vectors, or --embed-update dense to train it")
@@ -556,9 +560,10 @@ def main(argv=None):
     log("word-overlap baseline (Jaccard overlap of the two sentences' words): dev r %s, "
         "test r %s" % (_fmt(baselines["dev"]), _fmt(baselines["test"])))
 
+    dev, test = cluster.evaluation_sets(dev, test)  # with dist_sync: rank 0 evaluates
     loss_fn = kl_loss()
-    trainer = gluon.Trainer(net.collect_params(), args.optimizer,
-                            {"learning_rate": args.lr, "wd": args.wd})
+    trainer = cluster.trainer(net.collect_params(), args.optimizer,
+                              {"learning_rate": args.lr, "wd": args.wd}, agree_on=train)
 
     # epoch 0: the parameters training starts from
     start_label = "loaded %s" % args.load if args.load is not None else "untrained"
@@ -580,18 +585,17 @@ def main(argv=None):
         t0 = time.perf_counter()
         with _bar(len(train), "epoch %d/%d" % (epoch, args.epochs), args.quiet) as bar:
             for s in range(0, len(order), args.batch_size):
-                batch = [train[i] for i in order[s:s + args.batch_size]]
+                size = len(order[s:s + args.batch_size])  # all workers' pairs
+                batch = [train[i] for i in cluster.shard(order[s:s + args.batch_size])]
                 with autograd.record():
                     losses = [loss_fn(net(ex.a, ex.a_tree, ex.b, ex.b_tree), ex.target)
                               for ex in batch]
-                    loss = nd.add_n(*losses)
-                loss.backward()
-                trainer.step(len(batch))
-                value = float(loss.asscalar())
-                step_losses.append(value / len(batch))
+                    loss = nd.add_n(*losses) if losses else None
+                value = cluster.step(trainer, loss, size)  # backward, update: the loss sum
+                step_losses.append(value / size)
                 total += value
-                count += len(batch)
-                bar.update(len(batch))
+                count += size
+                bar.update(size)
                 bar.set_postfix(loss="%.4f" % (total / count),
                                 pairs_s="%.1f" % (count / (time.perf_counter() - t0)))
         seconds = time.perf_counter() - t0
@@ -610,6 +614,7 @@ def main(argv=None):
             % (epoch, total / count, _fmt(dv["pearson"]), _fmt(dv["spearman"]), _fmt(dv["mse"]),
                count / seconds, "  *best" if better else ""))
 
+    cluster.finish(net)  # with dist_sync: save and compare the workers' parameters
     _restore(net, best)
     if args.save is not None:
         d = os.path.dirname(os.path.abspath(args.save))
@@ -671,4 +676,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    dist.run_main(main)
