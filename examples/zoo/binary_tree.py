@@ -133,8 +133,10 @@ class HandBatched(object):
         base, child_rows = 2 * n0, []
         for nodes in levels[1:]:
             n = len(nodes)
-            child_rows.append([h_row[id(x.left)] for x in nodes] + [c_row[id(x.left)] for x in nodes]
-                              + [h_row[id(x.right)] for x in nodes] + [c_row[id(x.right)] for x in nodes])
+            child_rows.append([h_row[id(x.left)] for x in nodes] +
+                              [c_row[id(x.left)] for x in nodes] +
+                              [h_row[id(x.right)] for x in nodes] +
+                              [c_row[id(x.right)] for x in nodes])
             for j, node in enumerate(nodes):
                 h_row[id(node)], c_row[id(node)] = base + j, base + n + j
             base += 2 * n
