@@ -43,14 +43,28 @@ def source_of(name):
 
 
 def digest(path):
-    """SHA-256 of a module's source ``path`` and of the ``.pxd`` beside it, if any
-    (its compiled type declarations: a build is stale when either changed)."""
+    """SHA-256 of a module's source ``path`` and of every ``.pxd`` of the package:
+    a compiled module reads the C layouts the ``.pxd`` files declare, its own
+    and those it cimports, so its build is stale when any of them changed."""
     h = hashlib.sha256()
-    for p in (path, path[:-3] + ".pxd"):
-        if os.path.exists(p):
-            with open(p, "rb") as f:
-                h.update(f.read())
+    with open(path, "rb") as f:
+        h.update(f.read())
+    for rel in _declarations():
+        with open(os.path.join(_ROOT, rel), "rb") as f:
+            h.update(rel.encode() + b"\0" + f.read())
     return h.hexdigest()
+
+
+def _declarations():
+    """The package's ``.pxd`` files, as paths relative to the package's parent
+    (the same wherever it is installed), in a fixed order."""
+    pkg = os.path.join(_ROOT, "jitbatch")
+    found = []
+    for folder, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".pxd"):
+                found.append(os.path.relpath(os.path.join(folder, name), _ROOT))
+    return sorted(p.replace(os.sep, "/") for p in found)
 
 
 def extension_of(name):

@@ -13,11 +13,12 @@ pipeline = True
 #: store a full stack per recorded node (slow) instead of one ``file:line`` call site
 debug = False
 
-#: pause Python's cyclic garbage collector while a graph is pending, and restore
-#: it at the flush. Everything a graph allocates stays alive until its flush, so
-#: collections during recording find nothing to free yet rescan the whole graph:
-#: measured at 7% of a Tree-LSTM training step and up to 40% of recording a large
-#: inference batch. Bounded by ``max_pending``; set False to leave the GC alone.
+#: while a graph is pending, raise the thresholds of Python's older GC
+#: generations (generation 0 still collects young garbage), restored at the
+#: flush: everything a graph allocates stays alive until its flush, so older
+#: collections during recording rescan the growing graph and free nothing
+#: (measured: a third of recording a 256-pair Tree-LSTM inference batch; see
+#: ``jitbatch.gcdefer``). False leaves the GC alone.
 defer_gc = True
 
 #: run the merged graphs' elementwise ``sigmoid``/``tanh``/``relu`` operators as
@@ -37,3 +38,9 @@ fast_activations = True
 #: data has a shape never seen before. 0: exact sizes. Ragged launches (their
 #: rows vary per sample) keep theirs.
 row_buckets = 16
+
+#: a flagged block whose graph cannot be merged exactly (an operator that mixes
+#: the rows of different samples, draws one random value per launch, or has no
+#: rule: jitbatch.gluon.contract) runs its calls one per sample and warns once
+#: (``jitbatch.ContractWarning``); True raises ``BatchingError`` there instead
+strict = False

@@ -20,3 +20,9 @@ class ExecutionError(JitBatchError):
 class StaleValueError(JitBatchError):
     """A lazy array whose graph failed, was recorded in another thread, or outlived
     ``jitbatch.uninstall()``."""
+
+
+class ContractWarning(UserWarning):
+    """A flagged block's graph mixes rows of different samples (or has an operator
+    jitbatch has no rule for): its calls run one per sample, unbatched. Raised as
+    a BatchingError instead under ``jitbatch.config.strict``."""

@@ -68,6 +68,7 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     if graph.executing or not graph.nodes:
         return
     limit = graph.limit       # the graph's chunk size, if pipelined (take resets it)
+    held = graph.reads        # what the pending calls read stays alive through the flush
     nodes = graph.take()
     try:
         _flush(graph, nodes, backend, policy, budget, forced, reason, granularity,
@@ -76,6 +77,7 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
         graph.done()
     chunk = reason in _CHUNKS
     graph.retire(nodes, release=forced or chunk, ends_graph=not chunk)
+    del held
 
 
 #: flush reasons that cut a graph whose recording goes on (pipelined chunks, max_pending)

@@ -29,10 +29,11 @@ cdef class Graph:
     cdef public Py_ssize_t seq, passthrough, quiet, limit, scope
     cdef public bint executing
     cdef public list retired, kept, kept_before
+    cdef public dict reads
     cdef public object autograd
     cdef public Py_ssize_t autograd_gen
     cpdef Node add(self, info, tuple inputs, site, mode, rows=*)
-    cdef bint _link(self, Node n, Node p)
+    cdef bint _link(self, Node n, Node p) except -1
     cpdef Node insert_producer(self, Node n, info, tuple inputs, site)
 
 

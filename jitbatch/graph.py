@@ -1,5 +1,4 @@
 """The lazy graph: nodes recorded per sample, one pending graph per thread."""
-import gc
 import threading
 import time
 
@@ -8,7 +7,7 @@ try:
 except ImportError:  # running from source without Cython installed
     from . import _nocython as cython
 
-from . import config
+from . import config, gcdefer
 from .stats import STATS
 
 from .errors import StaleValueError
@@ -111,7 +110,7 @@ def _sources(x):
         ps = []
         _producers(x, ps)
         return ps
-    return (p,)
+    return (p,) if type(p) is Node else ()
 
 
 def _producers(x, out):
@@ -151,6 +150,8 @@ class Graph(object):
         self.limit = config.max_pending   # pending nodes at which the graph runs itself
         self.autograd = None   # the backend's: the thread's autograd state as last read,
         self.autograd_gen = -1  # valid while the backend's setter count is this
+        self.reads = {}        # id -> what pending nodes read: concrete arrays (a write to
+                               # one runs the graph first, see record.before_write), blocks
         self.retired = []      # node lists of finished flushes (see retire)
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it
@@ -158,28 +159,34 @@ class Graph(object):
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:
             if config.defer_gc and getattr(_local, "graph", None) is self:
-                gc_pause(self)
+                gcdefer.defer(self)
         n: Node = Node(info, inputs, 1, site, mode, self, self.seq, rows)
         p: Node
         c: Composite
         wait: cython.Py_ssize_t = 0
         d = 0
-        for x in inputs:
-            if isinstance(x, Ref):
-                q = x._node
-                if type(q) is Node:
-                    p = q
-                    if self._link(n, p):
-                        wait += 1
-                        if p.depth > d:
-                            d = p.depth
-                elif type(q) is Composite:     # else: not pending (a detached value)
-                    c = q
-                    for p in c.nodes:
+        try:
+            for x in inputs:
+                if isinstance(x, Ref):
+                    q = x._node
+                    if type(q) is Node:
+                        p = q
                         if self._link(n, p):
                             wait += 1
                             if p.depth > d:
                                 d = p.depth
+                    elif type(q) is Composite:     # else: not pending (a detached value)
+                        c = q
+                        for p in c.nodes:
+                            if self._link(n, p):
+                                wait += 1
+                                if p.depth > d:
+                                    d = p.depth
+        except StaleValueError:
+            self._unlink(n, inputs)
+            if not self.nodes:
+                gcdefer.restore(self)
+            raise
         n.wait = wait
         n.depth = d + 1
         self.seq += 1
@@ -197,7 +204,17 @@ class Graph(object):
             else:
                 users.append(n)
             return True
+        if pn.batch is None and pn.error is None:
+            pn.graph.check_thread()     # pending in another thread's graph: refused
         return False
+
+    def _unlink(self, n, inputs):
+        """Undo the links a refused record of node ``n`` made to its producers."""
+        for x in inputs:
+            if isinstance(x, Ref):
+                for p in _sources(x):
+                    if p.graph is self and p.users:
+                        p.users = [u for u in p.users if u is not n] or None
 
     def insert_producer(self, n, info, inputs, site):
         """A new pending node of ``info`` reading ``inputs`` that pending node
@@ -225,12 +242,13 @@ class Graph(object):
     def take(self):
         """Remove and return the pending nodes (the flush owns them from here)."""
         nodes, self.nodes = self.nodes, []
+        self.reads = {}
         self.limit = config.max_pending   # the next graph's first record sets its own
         return nodes
 
     def done(self):
-        """The flush is over: release this graph's pause of the GC."""
-        gc_resume(self)
+        """The flush is over: the GC's older generations need not wait for this graph."""
+        gcdefer.restore(self)
 
     def retire(self, nodes, release, ends_graph=True):
         """Keep a flush's executed ``nodes`` with their inputs until a release:
@@ -291,7 +309,7 @@ class Graph(object):
             n.inputs = ()
             n.users = None
         if not self.nodes:
-            gc_resume(self)
+            gcdefer.restore(self)
         return len(dropped)
 
     def check_thread(self):
@@ -305,42 +323,6 @@ class Graph(object):
 
 #: flushes whose nodes are kept at most without a read releasing them (see Graph.retire)
 RETIRED_FLUSHES = 16
-
-_gc_lock = threading.Lock()
-_gc_pausers = {}        # id of a graph holding the GC paused -> its thread
-_gc_was_enabled = [False]
-
-
-def _drop_dead_threads():
-    """A thread that ended with a pending graph must not keep the GC paused."""
-    if _gc_pausers:
-        alive = {t.ident for t in threading.enumerate()}
-        for k in [k for k, t in _gc_pausers.items() if t not in alive]:
-            del _gc_pausers[k]
-        if not _gc_pausers and _gc_was_enabled[0]:
-            gc.enable()
-
-
-def gc_pause(graph):
-    with _gc_lock:
-        _drop_dead_threads()
-        if not _gc_pausers:
-            _gc_was_enabled[0] = gc.isenabled()
-            if not _gc_was_enabled[0]:
-                return      # the user turned it off: not ours to manage
-            gc.disable()
-        elif not _gc_was_enabled[0]:
-            return
-        _gc_pausers[id(graph)] = graph.thread
-
-
-def gc_resume(graph):
-    with _gc_lock:
-        _gc_pausers.pop(id(graph), None)
-        _drop_dead_threads()
-        if not _gc_pausers and _gc_was_enabled[0] and not gc.isenabled():
-            gc.enable()
-
 
 _local = threading.local()
 

@@ -695,10 +695,12 @@ def test_flushed_graphs_are_freed_when_a_read_waits():
         del outs
         assert any(n is node for lst in g.kept_before for n in lst)
         more = [net(*s) for s in binary_samples(rng, 3, depth=2)]
+        read = more[1]._node
         more[1].asnumpy()            # a forced read: the last read's nodes go
         assert not any(n is node for lst in g.kept_before + g.kept for n in lst)
         assert sys.getrefcount(node) == 2   # only ours (and the call's) are left
-        assert more[1]._node.inputs == ()
+        assert read.inputs == ()
+        assert more[1]._node is not read      # a value read no longer holds its node
         for _ in range(jgraph.RETIRED_FLUSHES + 3):
             net(*binary_samples(rng, 1, depth=2)[0])
             jitbatch.flush()

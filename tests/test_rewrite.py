@@ -56,7 +56,7 @@ def test_rewritten_graph_equals_plain(policy, train):
     jitbatch.reset_stats()
     got = run(net, apply, xs, train, flag=True, policy=policy)
     assert_same(ref, got)
-    assert jitbatch.stats()["fast_activations"] == 3
+    assert jitbatch.stats()["fast_activations"] == 2
 
 
 def test_which_operators_are_swapped():
@@ -67,14 +67,14 @@ def test_which_operators_are_swapped():
     x = nd.ones((1, 4))
     net(x).asnumpy()
     ops = ops_of(net)
-    assert not {"sigmoid", "tanh", "relu"} & {o for o, _ in ops}, ops
+    assert not {"sigmoid", "tanh"} & {o for o, _ in ops}, ops
     acts = sorted(a for o, a in ops if o == "Activation")
-    assert acts == ["relu", "sigmoid", "softrelu", "tanh"], ops
-    assert ("softsign", None) in ops
-    assert jitbatch.stats()["fast_activations"] == 3
+    assert acts == ["sigmoid", "softrelu", "tanh"], ops
+    assert ("softsign", None) in ops and ("relu", None) in ops   # relu keeps NaN: left
+    assert jitbatch.stats()["fast_activations"] == 2
     # traced once: later calls and flushes do not rewrite again
     net(x).asnumpy()
-    assert jitbatch.stats()["fast_activations"] == 3
+    assert jitbatch.stats()["fast_activations"] == 2
     # hybridized the ordinary way: MXNet's graph, untouched
     net.hybridize()
     net(x).asnumpy()

@@ -124,24 +124,27 @@ def test_resident_memory_stays_flat_over_many_minibatches():
     assert len(jitbatch.gluon.signatures.TABLE) < 100
 
 
-def test_gc_is_paused_while_pending_and_restored_after_flush_or_failure():
+def test_old_gc_generations_wait_while_pending_and_are_restored_after_flush_or_failure():
     import gc
+    from jitbatch import gcdefer
     jitbatch.flush()
     net = nn.Dense(2, in_units=2)
     net.initialize()
     net.hybridize(dynamic_batch=True)
-    net(nd.ones((1, 2))).asnumpy()   # releases pauses of threads that ended pending
-    assert gc.isenabled()
+    net(nd.ones((1, 2))).asnumpy()   # restores deferrals of threads that ended pending
+    before = gc.get_threshold()
     y = net(nd.ones((1, 2)))
-    assert not gc.isenabled()              # a graph is pending
+    assert gc.isenabled() and gcdefer.deferred()       # a graph is pending
+    assert gc.get_threshold() == (before[0], max(before[1], gcdefer.OLD_GENERATIONS),
+                                  max(before[2], gcdefer.OLD_GENERATIONS))
     y.asnumpy()
-    assert gc.isenabled()                  # restored by the flush
+    assert gc.get_threshold() == before and not gcdefer.deferred()   # restored by the flush
     net._call_cached_op = lambda *a: 1 / 0
     ys = net(nd.ones((1, 2)))
     with pytest.raises(jitbatch.ExecutionError):
         ys.asnumpy()
     del net._call_cached_op
-    assert gc.isenabled()                  # and by a failed one
+    assert gc.get_threshold() == before                 # and by a failed one
     gc.disable()
     try:                                   # a user's own choice is left alone
         net(nd.ones((1, 2))).asnumpy()
@@ -152,7 +155,7 @@ def test_gc_is_paused_while_pending_and_restored_after_flush_or_failure():
     jitbatch.config.defer_gc = False
     try:
         z = net(nd.ones((1, 2)))
-        assert gc.isenabled()
+        assert gc.get_threshold() == before and not gcdefer.deferred()
         z.asnumpy()
     finally:
         jitbatch.config.defer_gc = old

@@ -23,7 +23,7 @@ class GluonBackend(Backend):
             o.wait_to_read()
 
     def stages(self, info, nodes):
-        if info.op.stages is False:     # an operator, or a block known to have none
+        if info.op.stages is False or not info.batchable:   # none, or nothing merges
             return None
         return stages.plan_for(info, nodes)
 

@@ -8,6 +8,8 @@ argument its per-sample ``(shape, dtype)``), ``out_meta``, ``pad`` (zero-padded
 arguments: ``{argument: axis}`` or None), ``rounds`` (launch sizes may be
 rounded up: ``config.row_buckets``), ``stages`` (the input-stage plan:
 None until looked for, False where there is none) and ``launch(batch)``."""
+import weakref
+
 from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
@@ -18,14 +20,44 @@ from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
 
 
+#: id of a parameter array of a traced dynamic_batch block -> a weak reference to
+#: its Parameter: merged launches read parameters when they run, so a write to
+#: one while calls are pending runs them first (record.before_write)
+PARAM_ARRAYS = {}
+
+
+def watch_params(block):
+    """Note ``block``'s initialized parameter arrays in ``PARAM_ARRAYS``."""
+    for p in block.collect_params().values():
+        data = p._data  # pylint: disable=protected-access
+        if data:
+            ref = weakref.ref(p)
+            for arr in data:
+                PARAM_ARRAYS[id(arr)] = ref
+
+
+def is_param(arr):
+    """Whether ``arr`` is a parameter array noted by ``watch_params``."""
+    ref = PARAM_ARRAYS.get(id(arr))
+    if ref is None:
+        return False
+    p = ref()
+    return p is not None and any(a is arr for a in (p._data or ()))  # pylint: disable=protected-access
+
+
 class BlockExec(object):
-    """Runs the nodes of one block signature as one call of the block's CachedOp."""
-    __slots__ = ("block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages")
+    """Runs the nodes of one block signature as one call of the block's CachedOp.
+    The block is held weakly where ``weak``: signatures outlive their blocks in
+    bounded tables, which must not keep users' models alive (the graph holds
+    the blocks of its pending calls: ``record``)."""
+    __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
+                 "stages", "merges")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
 
-    def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None):
-        self.block = block
+    def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None, merges=True,
+                 weak=True):
+        self._block = weakref.ref(block) if weak else (lambda: block)
+        self.merges = merges  # False: its graph mixes samples (contract), one call each
         self.fmt = fmt
         self.in_meta = in_meta
         self.out_meta = out_meta
@@ -35,7 +67,15 @@ class BlockExec(object):
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
         self.stages = None  # its input-stage plan: None until looked for, False: none
 
+    @property
+    def block(self):
+        """The block (None once it was freed)."""
+        return self._block()
+
     def launch(self, batch):
+        if not self.merges:
+            self._each(batch)
+            return
         n = batch[0].group.size     # with filler samples (config.row_buckets)
         with self.ctx, _mxapi.mode_scope(self.mode):
             it = iter(gather.gather_batch(batch))
@@ -44,6 +84,7 @@ class BlockExec(object):
             out = self.block._call_cached_op(*args)  # pylint: disable=protected-access
             outs, _ = _flatten(out, "output")
         if not self.checked:
+            watch_params(self.block)     # initialized by now, if deferred before
             for o, m in zip(outs, self.out_meta):
                 want = flat_shape(m[0], n) if m[0][0] is not None else \
                     (batch[0].group.rows,) + tuple(m[0][1:])
@@ -53,6 +94,17 @@ class BlockExec(object):
                         "per-sample output shape %s" % (self.block.name, o.shape, n, m[0]))
             self.checked = True
         finish(batch, outs)
+
+
+    def _each(self, batch):
+        """One call of the block's CachedOp per node, on the node's own inputs."""
+        leaves = _format_leaves(self.fmt)
+        with self.ctx, _mxapi.mode_scope(self.mode):
+            for node in batch:
+                it = iter([row_value(x) if type(x) is LazyArray else x for x in node.inputs])
+                args = _regroup([None if f == -1 else next(it) for f in leaves], self.fmt)
+                outs, _ = _flatten(self.block._call_cached_op(*args), "output")  # pylint: disable=protected-access
+                finish([node], outs)
 
 
 def _format_leaves(fmt):

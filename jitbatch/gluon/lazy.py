@@ -104,6 +104,7 @@ class LazyArray(NDArray, Ref):
             with _mxapi.mode_scope(node.mode):
                 v = composite_value(node)
             self._value = v
+            self._node = DETACHED   # its parts (and their launches) need not stay alive
             return v
         if node.batch is None:
             if node.error is not None:
@@ -116,6 +117,10 @@ class LazyArray(NDArray, Ref):
             force(node)
         v = row_value(self)
         self._value = v
+        # computed: the value stands alone, so a kept small result does not keep
+        # its launch's other outputs (or its node) alive
+        self._node = DETACHED
+        self._view = None
         g = node.graph
         if (g.retired or g.kept) and not g.executing and g.thread == _get_ident():
             g.release()   # a read: what flushes kept is freed while the kernels run
@@ -159,6 +164,10 @@ class LazyArray(NDArray, Ref):
                                                      self._dtype.__name__ if hasattr(self._dtype, "__name__") else self._dtype,
                                                      self._ctx)
         return NDArray.__repr__(self)
+
+    def __str__(self):
+        # printing is a forcing point: it shows the values, as plain Gluon prints
+        return NDArray.__repr__(self.value())
 
     def __reduce__(self):
         return NDArray.__reduce__(self.value())
@@ -228,7 +237,9 @@ def _tuple_index(arr, key):
         if isinstance(k, slice):
             b, e, s = k.indices(shape[ax])
             begin.append(b)
-            end.append(e)
+            # a negative step running past index 0 stops at -1, which MXNet's
+            # slice reads as the last element: its "before the first" is None
+            end.append(None if s < 0 and e < 0 else e)
             step.append(s)
         else:
             i = int(k) + (shape[ax] if k < 0 else 0)

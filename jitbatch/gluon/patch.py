@@ -11,7 +11,7 @@ import threading
 from functools import wraps
 
 from mxnet.gluon.block import Block, HybridBlock
-from mxnet.ndarray import register
+from mxnet.ndarray import NDArray, register
 from mxnet import ndarray as _ndmod
 from mxnet.symbol import Symbol
 
@@ -24,7 +24,7 @@ from . import _mxapi, meta, rewrite, signatures
 from .flags import FLAG_KEYS, parse_flags
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
-from .record import ROWS_OPS, record_block, record_op, rows_composite, stack
+from .record import ROWS_OPS, before_write, record_block, record_op, rows_composite, stack
 
 _patches = []          # (owner, name, original) in patch order
 _MISSING = object()
@@ -40,6 +40,9 @@ def installed():
 def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     """MXNet's ``_imperative_invoke``: an operator with a lazy argument is
     recorded; one without runs as usual (one type check per argument)."""
+    if out is not None:     # an in-place write: pending readers of the target run first
+        for o in (out if isinstance(out, (list, tuple)) else (out,)):
+            before_write(o)
     for a in ndargs:
         if type(a) is LazyArray:
             break
@@ -68,12 +71,27 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     return record_op(g, handle, ndargs, keys, vals, output_is_list)
 
 
+def _setitem(self, key, value):
+    """``NDArray.__setitem__``: pending readers of the array run first."""
+    before_write(self)
+    return _mxapi.nd_setitem(self, key, value)
+
+
 def _stack(*data, **kwargs):
     """``nd.stack``: a stack of lazy rows becomes a composite directly."""
     res = stack(data, kwargs)
     if res is not None:
         return res
     return _mxapi.nd_stack(*data, **kwargs)
+
+
+def _waitall():
+    """``nd.waitall``: what is pending in this thread's graph runs first, so a
+    timing around it includes the work."""
+    g = current_graph()
+    if g.nodes and not g.executing:
+        execute.run_graph(g, reason="waitall")
+    return _mxapi.waitall()
 
 
 # -- blocks ----------------------------------------------------------------------------
@@ -94,7 +112,8 @@ def _forward(self, x, *args):
             return _scoped_forward(self, x, args)
         return _mxapi.hybrid_forward(self, x, *args)
     if self._active:
-        if isinstance(x, Symbol):
+        if isinstance(x, Symbol) or _mxapi.np_array_mode():
+            # tracing; or NumPy semantics, which merged launches do not follow
             return _mxapi.hybrid_forward(self, x, *args)
         g: Graph = current_graph()
         if g.passthrough and not g.nodes and not _any_lazy(x, args):
@@ -228,16 +247,19 @@ def install():
     _set(Block, "hybridize", _make_hybridize(_mxapi.block_hybridize))
     _set(HybridBlock, "hybridize", _make_hybridize(_mxapi.hybrid_hybridize))
     _set(register, "_imperative_invoke", _invoke)
+    _set(NDArray, "__setitem__", _setitem)
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()
     for owner, names in _mxapi.AUTOGRAD_SETTERS:
         for name in names:
             _set(owner, name, drops_mode(getattr(owner, name)))
-    shim = wraps(_mxapi.nd_stack)(_stack)
-    for mod in (_ndmod, _ndmod.op):
-        if getattr(mod, "stack", None) is _mxapi.nd_stack:
-            _set(mod, "stack", shim)
+    for name, orig, ours in (("stack", _mxapi.nd_stack, _stack),
+                             ("waitall", _mxapi.waitall, _waitall)):
+        shim = wraps(orig)(ours)
+        for mod in (_ndmod, _ndmod.op, _ndmod.ndarray):
+            if getattr(mod, name, None) is orig:
+                _set(mod, name, shim)
 
 
 def uninstall():

@@ -27,6 +27,7 @@ from ..graph import Composite, Graph, current_graph
 from ..signature import SigInfo
 from . import _mxapi
 from .backend import BACKEND
+from .executors import is_param
 from .lazy import LazyArray, new_lazy
 from .meta import meta
 from .modes import mode
@@ -69,6 +70,28 @@ def _begin(g, cfg, mode_):
     gr.limit = limit(gr.policy or "auto", mode_)
 
 
+def before_write(target):
+    """An in-place write to ``target`` is about to run: if a pending call of this
+    thread reads it (a concrete argument, a parameter of a recorded block, a
+    lazy array), the pending graph runs first, so it computes with the value
+    it was called with, as per-sample code does (inside ``autograd.record``
+    MXNet then refuses the write, as it refuses it per sample)."""
+    g: Graph = current_graph()
+    if not g.nodes or g.executing:
+        return
+    if type(target) is LazyArray or id(target) in g.reads or is_param(target):
+        execute.run_graph(g, reason="write")
+
+
+def _note_reads(g, args):
+    """The concrete arrays among a record's arguments (see ``before_write``)."""
+    gr: Graph = g
+    reads = gr.reads
+    for a in args:
+        if type(a) is not LazyArray:
+            reads[id(a)] = a
+
+
 # -- blocks ---------------------------------------------------------------------------
 def record_block(block, g, x, args, frame):
     """Record ``block(x, *args)`` in the thread's graph ``g`` (``frame``: the
@@ -86,6 +109,8 @@ def record_block(block, g, x, args, frame):
     gr: Graph = g
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)
+    _note_reads(g, flat)
+    gr.reads[id(block)] = block     # a pending call keeps its block alive
     si: SigInfo = info
     out_meta = si.out_meta
     site_ = site_of(frame)
@@ -150,6 +175,7 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     gr: Graph = g
     if not gr.nodes:
         _begin(g, None, mode_)
+    _note_reads(g, ndargs)
     node = gr.add(info, tuple(ndargs), site(), mode_)
     ctx = mc[0][2]
     outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]

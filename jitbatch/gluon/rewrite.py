@@ -3,19 +3,22 @@
 jitbatch owns the graph it launches, so it may choose, for each operator the
 user wrote, the fastest MXNet kernel that computes the same function.
 
-``fast_activations``: MXNet's standalone elementwise ``sigmoid``, ``tanh`` and
-``relu`` operators are plain loops (on this project's CPU: ``tanh`` ~18 ns per
-element forward, ``sigmoid`` ~5 ns); the ``Activation`` operator computes the
-same functions with oneDNN on CPU (MKLDNN builds) and cuDNN on GPU (~0.7 ns per
+``fast_activations``: MXNet's standalone elementwise ``sigmoid`` and ``tanh``
+operators are plain loops (on this project's CPU: ``tanh`` ~18 ns per element
+forward, ``sigmoid`` ~5 ns); the ``Activation`` operator computes the same
+functions with oneDNN on CPU (MKLDNN builds) and cuDNN on GPU (~0.7 ns per
 element). The rewrite replaces each such node by an ``Activation`` node of the
 same name and inputs; the values differ from MXNet's loops by float rounding
-only (a few ulp). ``jitbatch.config.fast_activations = False`` turns it off."""
+only (a few ulp), NaN included. ``relu`` is not rewritten: ``Activation``'s
+relu (oneDNN) turns NaN into 0 where MXNet's ``relu`` keeps it, which would
+hide a diverging model. ``jitbatch.config.fast_activations = False`` turns
+the rewrite off."""
 import json
 
 from mxnet import symbol as _sym
 
 #: MXNet operator -> Activation act_type computing the same function
-ACTIVATIONS = {"sigmoid": "sigmoid", "tanh": "tanh", "relu": "relu"}
+ACTIVATIONS = {"sigmoid": "sigmoid", "tanh": "tanh"}
 
 
 def fast_activations(out):

@@ -19,7 +19,8 @@ import ast
 RULES = {}
 
 
-def _parse(v):
+def parse_attr(v):
+    """An operator attribute's value from MXNet's string form (as is if not a literal)."""
     if not isinstance(v, str):
         return v
     try:
@@ -59,7 +60,7 @@ def rule_for(name, keys, vals, in_shapes, out_shapes):
     fn = RULES.get(name)
     if fn is None or not in_shapes:
         return None
-    attrs = {k: _parse(v) for k, v in zip(keys, vals)}
+    attrs = {k: parse_attr(v) for k, v in zip(keys, vals)}
     return fn(attrs, list(keys), list(vals), [tuple(s) for s in in_shapes],
               [tuple(s) for s in out_shapes])
 

@@ -4,8 +4,9 @@ Two kinds of keys, both owned here:
 
 * the *exact call* key of a block call, built on every record and looked up in
   ``EXACT`` (a call seen before skips everything else):
-  ``(block, token, argument format, autograd mode, device, shape0, dtype0,
-  shape1, dtype1, ...)`` (``exact_key``);
+  ``(block id, token, argument format, autograd mode, device, shape0, dtype0,
+  shape1, dtype1, ...)`` (``exact_key``; the token, a fresh object per block
+  structure that the key keeps alive, makes the id unambiguous);
 * *signature* keys of ``TABLE`` (what must be equal for nodes to merge),
   made once per new exact call: ``(kind, owner, token, *rest)`` for the block
   kinds (``owner`` the block's id, ``token`` its renewal token: a block
@@ -18,16 +19,19 @@ A new block signature is found by tracing the block once (MXNet's
 the rows (outputs must scale along axis 0), at an odd length (outputs that
 keep any shared leading length make the signature *ragged*), and for
 zero-padded blocks at one more along the padded axes."""
+import warnings
+
 import numpy as np
 
-from ..errors import BatchingError
+from .. import config as _config
+from ..errors import BatchingError, ContractWarning
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
-from .executors import BlockExec, OpExec, infer_outputs
+from .executors import PARAM_ARRAYS, BlockExec, OpExec, infer_outputs, watch_params
 from .flags import pad_names
 from .lazy import LazyArray
 from .meta import check_ctx, meta
-from . import _mxapi
+from . import _mxapi, contract
 from .rules import rule_for
 
 TABLE = SignatureTable()
@@ -48,7 +52,7 @@ def exact_key(block, fkey, mode, flat):
     the arrays ``flat`` (``fkey``: its argument format). Every context is its
     device's one ``Device``, so a call on one device (the usual case) puts in
     its number once; a call mixing devices puts in all of them."""
-    key = [block, block._jb_token, fkey, mode, None]
+    key = [id(block), block._jb_token, fkey, mode, None]
     ctx = mixed = None
     for a in flat:
         if type(a) is LazyArray:
@@ -118,6 +122,7 @@ def new_info(sid, key, ex, out_meta, batchable, name):
 
 def forget():
     """Drop every signature (``uninstall``; block instances keep inert tokens)."""
+    PARAM_ARRAYS.clear()
     TABLE.clear()
     EXACT.clear()
     _MEASURED.clear()
@@ -157,6 +162,7 @@ def block_signature(block, allargs, flat, fmt, fkey, mode, exact):
     """The signature of a call of ``block`` not seen before (``exact``: its exact
     call key, ``flat`` its arrays, ``allargs`` its arguments as given)."""
     mc = [meta(a) for a in flat]
+    check_ctx(mc, "block %s" % block.name)      # a call mixing devices is never stored
     shape0 = exact[EXACT_ARGS]
     lead = shape0[0] if shape0 else None
     pad = block._jb_pad
@@ -164,7 +170,7 @@ def block_signature(block, allargs, flat, fmt, fkey, mode, exact):
     if pad is not None:
         skey = _padded_key(block, pad, fmt, mc, mode, fkey)
     else:
-        skey = (PLAIN, id(block)) + exact[1:]
+        skey = (PLAIN,) + exact
         if lead is not None and all(m[0] and m[0][0] == lead for m in mc):
             rkey = block_key(RAGGED, block, fkey, tuple([(m[0][1:], m[1]) for m in mc]),
                              mc[0][2], mode)
@@ -215,6 +221,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     except Exception as e:
         raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
                             % (block.name, type(e).__name__, e)) from e
+    watch_params(block)
     if block._in_format != fmt:  # pylint: disable=protected-access
         raise BatchingError(
             "block %s was first called with argument structure %s and now with %s; a "
@@ -259,6 +266,16 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                                     (2 * a[0],) + tuple(a[1:])))
     out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
     in_meta = tuple(zip(shapes, dtypes))
+    mix = contract.check(out, names, shapes, mode[1])
+    if mix is not None:
+        # exact only one sample at a time: each call runs as its own launch
+        if pad is not None:
+            _check_pad_outputs(block, out, names, shapes, o1, pad)
+        _unmergeable(block, mix)
+        if rkey is not None:
+            TABLE.add(rkey, lambda sid: _NOT_RAGGED)
+        ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, merges=False)
+        return TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, False, block.name))
     if pad is not None:
         _check_pad_outputs(block, out, names, shapes, o1, pad)
         in_meta = tuple((s[:pad[i]] + (None,) + s[pad[i] + 1:] if i in pad else s, d)
@@ -276,6 +293,25 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     if pad is not None:
         info.pad_axes = tuple(sorted(pad.items()))
     return info
+
+
+_WARNED = set()   # (block name, operator node) already warned about
+
+
+def _unmergeable(block, mix):
+    """Say once per block and operator that ``block``'s calls run per sample
+    (``mix``: why), or raise under ``config.strict``."""
+    msg = ("block %s cannot merge its calls: its operator %s (graph node %s) %s. Its calls "
+           "run one per sample: exact, not batched. Fix: keep each sample's rows apart "
+           "inside the block (per-sample data with a leading axis of 1, reductions and "
+           "random draws over the other axes), or hybridize this block without "
+           "dynamic_batch; jitbatch.config.strict = True makes this an error."
+           % (block.name, mix.op, mix.node, mix.why))
+    if _config.strict:
+        raise BatchingError(msg)
+    if (block.name, mix.node) not in _WARNED:
+        _WARNED.add((block.name, mix.node))
+        warnings.warn(msg, ContractWarning, stacklevel=2)
 
 
 def _check_pad_outputs(block, out, names, shapes, o1, pad):

@@ -205,8 +205,10 @@ def _make_plan(info, nodes):
     sa = _stage_block(a_sym, a_inputs, a_in, block)
     sb = _stage_block(b_sym, b_inputs, b_in, block)
     b_pad = {b_pos.index(i): axis for i, axis in pad.items() if i in b_pos} or None
-    a_ex = BlockExec(sa, [0] * len(a_in), a_in, a_meta, ex.ctx, ex.mode)
-    b_ex = BlockExec(sb, [0] * len(b_in), b_in, info.out_meta, ex.ctx, ex.mode, b_pad)
+    # the stages' blocks live as long as their signatures (nothing else holds them)
+    a_ex = BlockExec(sa, [0] * len(a_in), a_in, a_meta, ex.ctx, ex.mode, weak=False)
+    b_ex = BlockExec(sb, [0] * len(b_in), b_in, info.out_meta, ex.ctx, ex.mode, b_pad,
+                     weak=False)
     a_ex.stages = b_ex.stages = False
     # keys derived from the block's (measurements carry over when the block is
     # hybridized again: signatures.new_info); the input stage's key holds only
