@@ -281,9 +281,17 @@ def _learn(f, graph, nodes, reason):
     if nodes:
         PIPELINES.observe(nodes[0].mode, len(nodes) - f.staged, len(f.batches),
                           reason not in _CHUNKS, f.calibrate, warm=cost.MODEL.flushes >= 2)
+    merged = f.groups < len(nodes)
+    if reason in _CHUNKS:
+        # a chunk of a graph still recording: the graph is judged as a whole
+        # when it ends (a short last chunk that merged nothing must not send
+        # the next minibatch past recording when the graph merged well)
+        graph.chunk_merged = graph.chunk_merged or merged
+        return
     graph.passthrough = cost.MODEL.passthrough_after(
-        len(nodes), len(f.batches), nothing_to_merge=(f.groups == len(nodes)),
+        len(nodes), len(f.batches), nothing_to_merge=not (merged or graph.chunk_merged),
         streak=graph.quiet)
+    graph.chunk_merged = False
     graph.quiet = graph.quiet + 1 if graph.passthrough else 0
 
 

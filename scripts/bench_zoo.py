@@ -23,7 +23,7 @@ minibatch (no update) and the same outputs on it (rtol 1e-4); the script
 prints them and aborts otherwise. A mode that raises (fused RNN layers under
 jitbatch today) is reported and left out for that model. Each jit mode then
 runs --settle untimed minibatches per workload ('auto' measures its pipelined
-chunk count as it runs: jitbatch.cost.Pipe). Modes are timed in interleaved
+chunk count as it runs: jitbatch.pipeline.Pipe). Modes are timed in interleaved
 rounds (a warm-up minibatch, then the timed ones, per mode and round); ratios
 are taken within each round and the median over rounds is printed. Per-sample
 modes (--slow-modes) time --slow-batches minibatches per round after a warm-up

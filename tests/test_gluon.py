@@ -865,3 +865,42 @@ def test_a_hybridized_loss_on_lazy_outputs_merges_instead_of_flushing(policy):
     assert st["launches"] == (st["nodes"] if policy == "sequential" else per_sample + 1)
     assert loss._active                        # still hybridized afterwards
     assert type(loss(nd.ones((1, 5)), nd.ones((1, 5)))) is nd.NDArray   # concrete: its graph
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_arrays_made_from_python_data_while_pending_merge_into_one_creation(policy):
+    # per-sample code making a small array per sample (a leaf's word id): while
+    # a graph is pending, nd.array is recorded, and the flush makes them all
+    # with one array creation; values and gradients are plain Gluon's
+    emb = nn.Embedding(10, 3)
+    emb.initialize(mx.init.Uniform(0.5))
+    ids = [3, 1, 4, 1, 5, 9, 2]
+
+    def go(flag):
+        emb.hybridize(dynamic_batch=True, policy=policy) if flag else emb.hybridize(active=False)
+        emb.collect_params().zero_grad()
+        with autograd.record():
+            ys = [emb(nd.array([i])) for i in ids]
+            loss = nd.add_n(*[(y * y).sum() * (k + 1) for k, y in enumerate(ys)])
+        loss.backward()
+        return [y.asnumpy() for y in ys], {"w": emb.weight.grad().asnumpy().copy()}
+    ref = go(False)
+    jitbatch.reset_stats()
+    got = go(True)
+    assert_same(ref, got)
+    assert jitbatch.stats()["nodes"] >= 2 * len(ids) - 1     # the first nd.array ran eagerly
+    emb.hybridize(dynamic_batch=True, policy=policy)
+    jitbatch.reset_stats()
+    first = emb(nd.array([0]))                  # starts the graph
+    xs = [nd.array([i]) for i in ids]           # recorded: the graph is pending
+    assert all(jitbatch.is_lazy(x) for x in xs) and xs[0].dtype == np.float32
+    ys = [emb(x) for x in xs]
+    ys[-1].asnumpy()
+    st = jitbatch.stats()
+    if policy != "auto":   # one creation; the embedding in one launch (depth: the
+        # first call, whose id was concrete, sits a level lower: two)
+        assert st["launches"] == (3 if policy == "depth" else 2), st
+    np.testing.assert_allclose(xs[2].asnumpy(), [4.0])
+    emb.hybridize(active=False)
+    np.testing.assert_allclose(ys[2].asnumpy(), emb(nd.array([4])).asnumpy(), rtol=1e-6)
+    assert first.shape == (1, 3)

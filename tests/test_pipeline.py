@@ -244,3 +244,26 @@ def test_a_flat_curve_keeps_one_chunk(timed):
     used = [(_cycle(m, infer, clock, 10000, speed[m.of(infer).chunks]),
              m.of(infer).chunks)[1] for _ in range(11)]
     assert used == [1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1], used
+
+
+def test_a_short_last_chunk_that_merges_nothing_keeps_the_next_graph_recorded(chunks):
+    # chunks of 10 nodes: 22 calls run as 10, 10 and a last chunk of 2 that
+    # merges nothing; the graph merged well, so the next minibatch is recorded
+    # (judged per chunk, its first calls ran unbatched)
+    chunks["n"] = 10
+    enc, head = nn.Dense(3, in_units=3), nn.Dense(2, in_units=3)
+    for b in (enc, head):
+        b.initialize()
+        b.hybridize(dynamic_batch=True)
+    xs = [nd.array(np.random.default_rng(i).normal(size=(1, 3))) for i in range(11)]
+    for step in range(3):
+        jitbatch.reset_stats()
+        outs = [head(enc(x)) for x in xs]
+        got = nd.concat(*outs, dim=0).asnumpy()
+        st = jitbatch.stats()
+        assert st["nodes"] == 22 and st["pipelined_flushes"] == 2, (step, st)
+        assert st["launches"] < 22, (step, st)
+    for b in (enc, head):
+        b.hybridize(active=False)
+    want = np.concatenate([head(enc(x)).asnumpy() for x in xs])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

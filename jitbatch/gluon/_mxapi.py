@@ -34,6 +34,7 @@ hybrid_hybridize = HybridBlock.hybridize
 clear_cached_op = HybridBlock._clear_cached_op  # pylint: disable=protected-access
 get_graph = HybridBlock._get_graph  # pylint: disable=protected-access
 nd_stack = nd.stack
+nd_array = nd.array
 waitall = nd.waitall
 nd_setitem = NDArray.__setitem__
 #: MXNet's autograd-state setters, as (module, names): every Python scope that

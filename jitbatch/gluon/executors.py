@@ -10,6 +10,7 @@ rounded up: ``config.row_buckets``), ``stages`` (the input-stage plan:
 None until looked for, False where there is none) and ``launch(batch)``."""
 import weakref
 
+import numpy as np
 from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
@@ -53,6 +54,7 @@ class BlockExec(object):
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
                  "stages", "merges")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
+    gathers = True  # its inputs are gathered (gather.prepare)
 
     def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None, merges=True,
                  weak=True):
@@ -127,6 +129,7 @@ class OpExec(object):
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
+    gathers = True
 
     def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx, mode):
         self.handle = handle
@@ -170,6 +173,30 @@ class OpExec(object):
                             "of per-sample shape %s" % (self.kind, self.name, o.shape, n, m[0]))
                 self.checked = True
         finish(batch, outs)
+
+
+class ConstExec(object):
+    """Makes the arrays a flush's per-sample code created from Python data
+    (``nd.array`` while a graph was pending, ``record.record_const``): each
+    node holds its values (a NumPy copy); ONE array of all of them is created
+    per launch, and each node's array is its rows of it (one host-to-device
+    copy instead of a synchronised copy per call)."""
+    __slots__ = ("ctx", "dtype", "in_meta", "out_meta")
+    pad = None
+    stages = False
+    rounds = False
+    gathers = False   # nothing to gather: the values are the nodes' own
+
+    def __init__(self, ctx, dtype, out_meta):
+        self.ctx = ctx
+        self.dtype = dtype
+        self.in_meta = ()
+        self.out_meta = out_meta
+
+    def launch(self, batch):
+        values = [node.inputs[0] for node in batch]
+        data = values[0] if len(values) == 1 else np.concatenate(values, axis=0)
+        finish(batch, [_mxapi.nd_array(data, ctx=self.ctx, dtype=self.dtype)])
 
 
 def infer_outputs(handle, metas, keys, vals, ctx):

@@ -436,9 +436,9 @@ def prepare(batches):
     for batch in batches:
         first = batch[0]
         info = first.info
-        if not info.batchable:
-            continue
         ex = info.op
+        if not info.batchable or not ex.gathers:
+            continue
         lst = index.setdefault(ex.ctx, [])
         cols = list(zip(*[n.inputs for n in batch]))   # per argument: its values
         if steps and ex.rounds:

@@ -10,6 +10,10 @@ import sys
 import threading
 from functools import wraps
 
+import numpy as np
+from mxnet.base import mx_real_t as _mx_real_t
+from mxnet.context import Context
+
 from mxnet.gluon.block import Block, HybridBlock
 from mxnet.ndarray import NDArray, register
 from mxnet import ndarray as _ndmod
@@ -24,7 +28,8 @@ from . import _mxapi, meta, rewrite, signatures
 from .flags import FLAG_KEYS, parse_flags
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
-from .record import ROWS_OPS, before_write, record_block, record_op, rows_composite, stack
+from .record import (ROWS_OPS, before_write, record_block, record_const, record_op,
+                     rows_composite, stack)
 
 _patches = []          # (owner, name, original) in patch order
 _MISSING = object()
@@ -75,6 +80,24 @@ def _setitem(self, key, value):
     """``NDArray.__setitem__``: pending readers of the array run first."""
     before_write(self)
     return _mxapi.nd_setitem(self, key, value)
+
+
+def _array(source_array, ctx=None, dtype=None):
+    """``nd.array``: while this thread's graph is pending, an array made from
+    Python data (a list, a NumPy array) is recorded, and a flush makes all of
+    them at once (per-sample code making one per sample, e.g. a leaf's word
+    id, paid a synchronised copy each)."""
+    if not isinstance(source_array, NDArray):
+        g: Graph = current_graph()
+        if g.nodes and not g.executing:
+            try:
+                values = np.array(source_array, dtype=_mx_real_t if dtype is None else dtype)
+            except (TypeError, ValueError):
+                values = None
+            if values is not None and values.ndim and values.size and \
+                    values.dtype.kind in "biuf":
+                return record_const(g, values, ctx or Context.default_ctx)
+    return _mxapi.nd_array(source_array, ctx=ctx, dtype=dtype)
 
 
 def _stack(*data, **kwargs):
@@ -255,9 +278,10 @@ def install():
         for name in names:
             _set(owner, name, drops_mode(getattr(owner, name)))
     for name, orig, ours in (("stack", _mxapi.nd_stack, _stack),
-                             ("waitall", _mxapi.waitall, _waitall)):
+                             ("waitall", _mxapi.waitall, _waitall),
+                             ("array", _mxapi.nd_array, _array)):
         shim = wraps(orig)(ours)
-        for mod in (_ndmod, _ndmod.op, _ndmod.ndarray):
+        for mod in (_ndmod, _ndmod.op, _ndmod.ndarray, _ndmod.utils):
             if getattr(mod, name, None) is orig:
                 _set(mod, name, shim)
 

@@ -29,9 +29,10 @@ from . import _mxapi
 from .backend import BACKEND
 from .executors import is_param
 from .lazy import LazyArray, new_lazy
-from .meta import meta
+from .meta import device, meta
 from .modes import mode
-from .signatures import EXACT, EXACT_ARGS, block_signature, exact_key, op_signature, pad_size
+from .signatures import (EXACT, EXACT_ARGS, block_signature, const_signature, exact_key,
+                         op_signature, pad_size)
 from .sites import site, site_of
 
 _FLAT_IN = {n: [0] * n for n in range(1, 16)}   # formats of n plain array arguments
@@ -183,6 +184,21 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     if len(outs) == 1 and not output_is_list:
         return outs[0]
     return outs
+
+
+# -- arrays made from Python data ----------------------------------------------------
+def record_const(g, values, ctx):
+    """``nd.array(values)`` (a NumPy copy, at least one axis, not empty) while
+    the thread's graph ``g`` is pending: a node, so that a flush makes all
+    such arrays with one array creation (``executors.ConstExec``)."""
+    gr: Graph = g
+    dev = device(ctx)
+    info = const_signature(values.shape[1:], values.dtype.type, dev)
+    mode_ = mode(g)
+    node = gr.add(info, (values,), site(), mode_, values.shape[0])
+    out = new_lazy(node, 0, values.shape, values.dtype.type, dev, None)
+    maybe_autoflush(g)
+    return out
 
 
 # -- composites: stacks of rows, concatenations along axis 0 --------------------------

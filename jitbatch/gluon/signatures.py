@@ -27,7 +27,8 @@ from .. import config as _config
 from ..errors import BatchingError, ContractWarning
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
-from .executors import PARAM_ARRAYS, BlockExec, OpExec, infer_outputs, watch_params
+from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_outputs,
+                        watch_params)
 from .flags import pad_names
 from .lazy import LazyArray
 from .meta import check_ctx, meta
@@ -42,8 +43,8 @@ _MEASURED = {}  # block signature key without its token -> its latest SigInfo
 EXACT_ARGS = 5
 
 # signature kinds (a key's first item)
-PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN, OP = (
-    "block", "ragged", "padded", "input stage", "main stage", "op")
+PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN, OP, CONST = (
+    "block", "ragged", "padded", "input stage", "main stage", "op", "const")
 BLOCK_KINDS = (PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN)
 
 
@@ -126,6 +127,19 @@ def forget():
     TABLE.clear()
     EXACT.clear()
     _MEASURED.clear()
+
+
+# -- arrays made from Python data ----------------------------------------------------------
+def const_signature(row, dtype, ctx):
+    """The signature of arrays created from Python data with rows of shape
+    ``row`` (ragged: any number of rows merge)."""
+    key = (CONST, row, dtype, ctx)
+    info = TABLE.get(key)
+    if info is None:
+        out_meta = (((None,) + row, dtype),)
+        ex = ConstExec(ctx, dtype, out_meta)
+        info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, True, "nd.array"))
+    return info
 
 
 # -- operators ------------------------------------------------------------------------
