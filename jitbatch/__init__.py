@@ -11,8 +11,8 @@ from . import _compiled
 _compiled.choose()   # before any compiled module loads: stale builds run from source
 from . import config, cost, execute  # noqa: E402
 from ._compiled import compiled_modules  # noqa: E402
-from .errors import (BatchingError, ContractWarning, ExecutionError, FlagError,  # noqa: E402
-                     JitBatchError, StaleValueError)
+from .errors import (BatchingError, BudgetWarning, ContractWarning, ExecutionError,  # noqa: E402
+                     FlagError, JitBatchError, StaleValueError)
 from .graph import current_graph  # noqa: E402
 from .pipeline import PIPELINES  # noqa: E402
 from .schedule import POLICIES  # noqa: E402
@@ -21,7 +21,7 @@ from .stats import STATS  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "POLICIES",
            "LazyArray", "JitBatchError", "FlagError", "BatchingError", "ExecutionError",
-           "StaleValueError", "ContractWarning", "is_lazy", "compiled_modules", "zero_pad"]
+           "StaleValueError", "ContractWarning", "BudgetWarning", "is_lazy", "compiled_modules", "zero_pad"]
 
 
 def flush():

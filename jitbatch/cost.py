@@ -105,6 +105,19 @@ class Model(object):
             return True
         return self.analysis_high("sequential") <= budget * per
 
+    def smallest_budget(self, looked, nodes=None):
+        """The smallest analysis budget under which a flush like the last one
+        would have batched: what looking at the graph costs per node (``looked``
+        False) or what the cheapest merging policy's analysis costs, both at
+        their slowest of the last flushes, as a fraction of the predicted
+        unbatched time. None while unmeasured."""
+        per = self.unbatched_node
+        if not per:
+            return None
+        if not looked:
+            return self.analysis_high("sequential") / per
+        return min(self.analysis_high(p) for p in ("depth", "agenda")) / per
+
     def analysis_high(self, key):
         """Seconds per node of ``key``'s analysis at its slowest of the last
         :data:`ANALYSIS_KEEP` flushes (the prior while none was measured)."""

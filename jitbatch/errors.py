@@ -26,3 +26,8 @@ class ContractWarning(UserWarning):
     """A flagged block's graph mixes rows of different samples (or has an operator
     jitbatch has no rule for): its calls run one per sample, unbatched. Raised as
     a BatchingError instead under ``jitbatch.config.strict``."""
+
+
+class BudgetWarning(UserWarning):
+    """An ``analysis_budget`` keeps policy 'auto' from batching work that could
+    merge (said once per budget, with the smallest budget that would batch)."""

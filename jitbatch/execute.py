@@ -6,6 +6,7 @@ A flush runs in named phases: choose (``cost``), split calls into stages
 (``granularity``), schedule (``schedule``), group, prepare the gathers,
 launch, account."""
 import time
+import warnings
 
 try:
     import cython   # compiled: the local type annotations below are C declarations
@@ -13,7 +14,7 @@ except ImportError:  # running from source without Cython installed
     from . import _nocython as cython
 
 from . import config, cost, schedule
-from .errors import ExecutionError, JitBatchError
+from .errors import BudgetWarning, ExecutionError, JitBatchError
 from .graph import Group, Node
 from .pipeline import PIPELINES
 from .stats import STATS
@@ -159,11 +160,36 @@ def _choose(f, nodes, budget):
     f.looked = cost.MODEL.worth_looking(budget)
     if f.looked:
         f.chosen, f.why, f.predicted, f.groups = cost.MODEL.choose(nodes, budget)
+        if f.chosen == "sequential" and budget and f.groups < len(nodes):
+            _budget_fell_back(budget, True, len(nodes))
     elif budget == 0:
         f.chosen, f.why = "sequential", "analysis budget 0: one launch per node, no analysis"
     else:
         f.chosen, f.why = "sequential", "analysis budget %g is below the cost of looking " \
             "at the graph: one launch per node, no analysis" % budget
+        _budget_fell_back(budget, False, len(nodes))
+
+
+_BUDGETS_REPORTED = set()
+
+
+def _budget_fell_back(budget, looked, nodes):
+    """Say once per budget that it keeps 'auto' from batching a graph that has
+    something to merge: what looking (or merging policies' analysis) measured,
+    and the smallest budget that would batch."""
+    if budget in _BUDGETS_REPORTED:
+        return
+    need = cost.MODEL.smallest_budget(looked)
+    if need is None:
+        return
+    _BUDGETS_REPORTED.add(budget)
+    what = ("merging policies' analysis measured %.3g of the predicted unbatched time"
+            if looked else "looking at the graph measured %.3g of the predicted unbatched time")
+    warnings.warn(
+        "analysis_budget=%g keeps policy 'auto' from batching: %s (a graph of %d nodes), so "
+        "its flushes run one launch per node, unbatched. Fix: hybridize with "
+        "analysis_budget >= %.2g (or None for no cap)."
+        % (budget, what % need, nodes, need * 1.25), BudgetWarning, stacklevel=4)
 
 
 def _split_stages(f, nodes, backend, granularity, budget):

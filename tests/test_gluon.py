@@ -1,5 +1,7 @@
 """Gluon behaviour under dynamic batching: exact launch counts, autograd modes,
 Gluon features, lazy-array semantics, errors and failure isolation."""
+import re
+
 import numpy as np
 import pytest
 import mxnet as mx
@@ -904,3 +906,32 @@ def test_arrays_made_from_python_data_while_pending_merge_into_one_creation(poli
     emb.hybridize(active=False)
     np.testing.assert_allclose(ys[2].asnumpy(), emb(nd.array([4])).asnumpy(), rtol=1e-6)
     assert first.shape == (1, 3)
+
+
+def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget_that_would(
+        monkeypatch, recwarn):
+    from jitbatch import cost, execute
+    monkeypatch.setattr(cost, "MODEL", cost.Model())
+    monkeypatch.setattr(execute, "_BUDGETS_REPORTED", set())
+    net = nn.Dense(3, in_units=3)
+    net.initialize()
+    net.hybridize(dynamic_batch=True, analysis_budget=1e-9)
+    xs = [nd.ones((1, 3)) * i for i in range(12)]
+    for _ in range(6):
+        ys = [net(x) for x in xs]
+        ys[-1].asnumpy()
+    st = jitbatch.stats()
+    assert st["last_flush"]["policy"] == "sequential", st["last_flush"]
+    found = [w for w in recwarn.list if issubclass(w.category, jitbatch.BudgetWarning)]
+    assert len(found) == 1, [str(w.message) for w in found]
+    msg = str(found[0].message)
+    m = re.search(r"analysis_budget=1e-09 keeps policy 'auto' from batching: (looking at the "
+                  r"graph|merging policies' analysis) measured \S+ of the predicted unbatched "
+                  r"time .* Fix: hybridize with analysis_budget >= (\S+) \(or None", msg, re.S)
+    assert m, msg
+    net.hybridize(dynamic_batch=True, analysis_budget=float(m.group(2).rstrip(".")) * 4)
+    jitbatch.reset_stats()
+    for _ in range(3):
+        ys = [net(x) for x in xs]
+        ys[-1].asnumpy()
+    assert jitbatch.stats()["launches"] < 3 * len(xs), jitbatch.stats()
