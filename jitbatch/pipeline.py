@@ -60,10 +60,10 @@ class Pipe(object):
     launches per flush (``launches``), the current graph's nodes so far
     (``open``), its start time and whether its measurement stands."""
     __slots__ = ("launches", "graph", "open", "chunks", "times", "start", "valid", "last",
-                 "cycles", "busy", "cpu")
+                 "cycles", "busy", "cpu", "end")
 
     def __init__(self):
-        self.launches = self.graph = self.start = self.last = self.cpu = None
+        self.launches = self.graph = self.start = self.last = self.cpu = self.end = None
         self.open = 0
         self.chunks = 1
         self.times = {}
@@ -176,20 +176,31 @@ class Pipelines(object):
         record. At the first record after a read a cycle starts: the last
         one's time is measured and the next chunk count chosen (:class:`Pipe`);
         ``launch_price``: what one more launch costs (see ``Pipe.choose``)."""
-        p = self.pipe.get((threading.get_ident(), mode))
+        tid = threading.get_ident()
+        p = self.pipe.get((tid, mode))
+        if p is not None and p.open:
+            return p.size()
+        now = time.perf_counter()
+        # CPU of the process's other threads: the framework's kernels
+        cpu = time.process_time() - time.thread_time()
+        # a graph of another mode starts here: the ended cycles of this thread's
+        # other modes end now, so a training cycle does not count the evaluation
+        # run between two training steps (or the other way round)
+        for (t, _), q in self.pipe.items():
+            if t == tid and q is not p and q.last and q.end is None:
+                q.end = (now, cpu)
         if p is None or p.graph is None or not p.launches:
             return None
         if p.open == 0:     # the previous graph ended at a read: a cycle starts
-            now = time.perf_counter()
-            # CPU of the process's other threads: the framework's kernels
-            cpu = time.process_time() - time.thread_time()
+            stop, stop_cpu = p.end if p.end is not None else (now, cpu)
+            p.end = None
             if p.last and p.start is not None:
                 ts = p.times.setdefault(p.chunks, [])
-                ts.append((now - p.start) / p.last)
+                ts.append((stop - p.start) / p.last)
                 del ts[:-PIPE_KEEP]
-                if now > p.start and p.cpu is not None:
+                if stop > p.start and p.cpu is not None:
                     bs = p.busy.setdefault(p.chunks, [])
-                    bs.append((cpu - p.cpu) / (now - p.start))
+                    bs.append((stop_cpu - p.cpu) / (stop - p.start))
                     del bs[:-PIPE_KEEP]
                 p.cycles += 1
                 if p.cycles % PIPE_REPROBE == 0:

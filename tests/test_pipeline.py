@@ -267,3 +267,21 @@ def test_a_short_last_chunk_that_merges_nothing_keeps_the_next_graph_recorded(ch
         b.hybridize(active=False)
     want = np.concatenate([head(enc(x)).asnumpy() for x in xs])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cycle_ends_where_another_modes_graph_starts(timed):
+    """Training and evaluation interleaved: a training cycle is timed from its
+    first record to the evaluation graph's, not to the next training graph's
+    (which would count the evaluation as training time)."""
+    m, clock, infer = timed
+    train = (True, True)
+    m.observe(train, 10000, 10, True)
+    for _ in range(4):
+        m.limit(train)
+        clock.now += 10000 * 30e-6           # the training graph: 30 us per node
+        m.observe(train, 10000, 10, True)
+        m.limit(infer)                       # an evaluation graph starts
+        clock.now += 5.0                     # ... and takes long
+        m.observe(infer, 10000, 10, True)
+    m.limit(train)
+    assert m.of(train).times[1] == [pytest.approx(30e-6)] * 3, m.of(train).times  # (5.3 s before)
