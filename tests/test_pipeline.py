@@ -246,10 +246,13 @@ def test_a_flat_curve_keeps_one_chunk(timed):
     assert used == [1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1], used
 
 
-def test_a_short_last_chunk_that_merges_nothing_keeps_the_next_graph_recorded(chunks):
+def test_a_short_last_chunk_that_merges_nothing_keeps_the_next_graph_recorded(chunks,
+                                                                              monkeypatch):
     # chunks of 10 nodes: 22 calls run as 10, 10 and a last chunk of 2 that
     # merges nothing; the graph merged well, so the next minibatch is recorded
     # (judged per chunk, its first calls ran unbatched)
+    from jitbatch import cost
+    monkeypatch.setattr(cost, "MODEL", cost.Model())     # priors, not other tests' times
     chunks["n"] = 10
     enc, head = nn.Dense(3, in_units=3), nn.Dense(2, in_units=3)
     for b in (enc, head):
