@@ -916,7 +916,7 @@ def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget
     net = nn.Dense(3, in_units=3)
     net.initialize()
     net.hybridize(dynamic_batch=True, analysis_budget=1e-9)
-    xs = [nd.ones((1, 3)) * i for i in range(12)]
+    xs = [nd.ones((1, 3)) * i for i in range(48)]
     for _ in range(6):
         ys = [net(x) for x in xs]
         ys[-1].asnumpy()
@@ -929,7 +929,8 @@ def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget
                   r"graph|merging policies' analysis) measured \S+ of the predicted unbatched "
                   r"time .* Fix: hybridize with analysis_budget >= (\S+) \(or None", msg, re.S)
     assert m, msg
-    net.hybridize(dynamic_batch=True, analysis_budget=float(m.group(2).rstrip(".")) * 4)
+    # (measured times are noisy: a margin over the named budget)
+    net.hybridize(dynamic_batch=True, analysis_budget=float(m.group(2).rstrip(".")) * 10)
     jitbatch.reset_stats()
     for _ in range(3):
         ys = [net(x) for x in xs]
