@@ -6,6 +6,7 @@ Tiny sizes (examples.zoo.MODELS[...].tiny): these check the math, not speed."""
 import zlib
 
 import numpy as np
+import mxnet as mx
 import pytest
 from mxnet import autograd, nd
 
@@ -142,19 +143,53 @@ def test_jitbatch_inference_equals_per_sample(model, policy):
         assert_close(g, w, "output of sample %d" % i)
 
 
-@pytest.mark.xfail(strict=True, raises=jitbatch.BatchingError,
-                   reason="issue 23 item 3: gluon.rnn.GRU (TNC) under dynamic_batch=True raises "
-                          "BatchingError: block ..._gru0: output shapes cannot be inferred from "
-                          "inputs [(T, 1, E), (1, 1, H)]: ... Shape inconsistent, Provided = "
-                          "[2,1,H], inferred shape=(1,1,H)")
-def test_fused_gru_layer_under_jitbatch():
+def test_fused_gru_layer_in_tnc_layout_gets_an_error_naming_the_layer_and_the_fix():
+    # issue 23 item 3: a fused layer in layout TNC has its batch axis at 1
     c = Case("fused_gru")
     c.net.hybridize(dynamic_batch=True)
     try:
-        outs, loss, grads = run_per_sample(c.entry, c.net, c.samples)
+        with pytest.raises(jitbatch.BatchingError,
+                           match=r"gru\d+.*fused RNN layer.*batch axis is 1.*Fix: create the "
+                                 r"layer with layout='NTC'"):
+            run_per_sample(c.entry, c.net, c.samples)
     finally:
+        jitbatch.flush()
         c.net.hybridize(active=False)
-    assert_close(loss, c.loss, "summed loss")
-    for i, (got, want) in enumerate(zip(outs, c.outs)):
-        assert_close(got, want, "output of sample %d" % i)
-    assert_grads_close(grads, c.grads)
+
+
+class _NTC(mx.gluon.HybridBlock):
+    """The fix the error names: layout NTC, one sample (1, T, C), no states."""
+
+    def __init__(self, **kw):
+        super(_NTC, self).__init__(**kw)
+        with self.name_scope():
+            self.rnn = mx.gluon.rnn.GRU(5, layout="NTC", input_size=3)
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.slice_axis(self.rnn(x), axis=1, begin=-1, end=None)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_fused_gru_layer_in_ntc_layout_merges_and_equals_plain(policy):
+    net = _NTC()
+    net.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.default_rng(i).normal(size=(1, 4, 3))) for i in range(5)]
+
+    def go(flag):
+        net.hybridize(dynamic_batch=True, policy=policy) if flag else net.hybridize(active=False)
+        net.collect_params().zero_grad()
+        with mx.autograd.record():
+            ys = [net(x) for x in xs]
+            loss = mx.nd.add_n(*[(y * y).sum() for y in ys])
+        loss.backward()
+        return [y.asnumpy() for y in ys], {k: p.grad().asnumpy().copy()
+                                           for k, p in net.collect_params().items()}
+    want = go(False)
+    jitbatch.reset_stats()
+    got = go(True)
+    for a, b in zip(want[0], got[0]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    for k in want[1]:
+        np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-4, atol=1e-5, err_msg=k)
+    if policy != "auto":
+        assert jitbatch.stats()["launches"] < jitbatch.stats()["nodes"]

@@ -263,6 +263,15 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
         _, ot, _ = out.infer_type(**dict(zip(names, dtypes)))
     except Exception as e:
+        if '"op": "RNN"' in out.tojson():
+            raise BatchingError(
+                "block %s holds a fused RNN layer (gluon.rnn.RNN/LSTM/GRU) and called with "
+                "inputs %s its shapes cannot be inferred at twice the rows: in layout TNC the "
+                "layer's batch axis is 1, while jitbatch merges samples along axis 0. Fix: "
+                "create the layer with layout='NTC' and give each sample a leading axis of 1 "
+                "((1, T, C)) and no explicit states, or loop its cell "
+                "(gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block without "
+                "dynamic_batch. (MXNet: %s)" % (block.name, shapes, str(e).splitlines()[0]))
         raise BatchingError("block %s: output shapes cannot be inferred from inputs %s: %s"
                             % (block.name, shapes, e)) from e
     for k, (a, b) in enumerate(zip(o1, o2)):
