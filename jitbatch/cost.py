@@ -48,6 +48,8 @@ class Model(object):
         self.last_groups = {}        # its depth groups (see depth_groups)
         self.fixed_launch = None     # mean fixed seconds of a launch of the last flush chosen
         self.issue = None            # seconds to issue a launch (flushes that do not wait)
+        self.choices = 0             # choose() calls so far, and at which one each policy
+        self.ran = {}                # was chosen last (see REPROBE)
 
     def launch_price(self):
         """What one more launch costs: its mean fixed kernel seconds (of the last
@@ -214,11 +216,12 @@ class Model(object):
             exec_seq += lc(first.info, 1) * count
             exec_depth += lc(first.info, count)
             fixed += lc(first.info, 0)
+        an = self.analysis_typical
         pred = {
-            "sequential": (self.analysis["sequential"] * n, exec_seq),
-            "depth": (self.analysis["depth"] * n, exec_depth),
+            "sequential": (an("sequential") * n, exec_seq),
+            "depth": (an("depth") * n, exec_depth),
             # the same rows in fewer launches: each merged-away launch saves its fixed cost
-            "agenda": (self.analysis["agenda"] * n,
+            "agenda": (an("agenda") * n,
                        exec_depth - (1.0 - min(self.agenda_ratio, 1.0)) * fixed),
         }
         self.unbatched = exec_seq
@@ -234,7 +237,24 @@ class Model(object):
             why = "cheapest predicted within analysis budget %g" % budget
         else:
             why = "cheapest predicted (analysis + execution)"
+        # a merging policy's estimates change only when it runs: one not run for
+        # REPROBE flushes runs once, so one slow flush cannot exclude it for good
+        self.choices += 1
+        for p in ("agenda", "depth"):
+            if p != best and p in allowed and self.choices - self.ran.get(p, 0) > REPROBE:
+                best, why = p, "measured again (not run for %d flushes)" % REPROBE
+                break
+        self.ran[best] = self.choices
         return best, why, {p: {"analysis": a, "execute": e} for p, (a, e) in pred.items()}, len(groups)
+
+    def analysis_typical(self, key):
+        """Predicted seconds per node of ``key``'s analysis: the median of its
+        last flushes (one slow flush, a first trace or a busy machine, moves a
+        mean a long way), the prior while fewer than three were measured."""
+        recent = self.analysis_recent.get(key)
+        if recent and len(recent) >= 3:
+            return sorted(recent)[len(recent) // 2]
+        return self.analysis[key]
 
     def split_gain(self, info, plan, depths, nodes, policy, budget, calibrate):
         """Whether the calls of block signature ``info`` (``depths``: their count
@@ -290,5 +310,7 @@ class Model(object):
 
 #: flushes whose analysis per node the budget check takes the slowest of
 ANALYSIS_KEEP = 8
+#: choices after which a merging policy not chosen meanwhile runs once again
+REPROBE = 32
 PASSTHROUGH_CAP = 4096   # most calls run eagerly between two re-checks (grown windows)
 MODEL = Model()

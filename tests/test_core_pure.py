@@ -185,3 +185,26 @@ def test_launch_cost_is_a_line_in_rows():
         info.launch_cr += dt * rows
     assert abs(m.launch_cost(info, 20) - 3e-3) < 1e-9
     assert abs(m.launch_cost(info, 1) - 1.1e-3) < 1e-9
+
+
+def test_a_policy_not_chosen_for_a_while_is_measured_again():
+    """Estimates move only when a policy runs: one slow flush of the agenda
+    must not keep 'auto' on depth for good. The prediction takes the median of
+    the last flushes, and a merging policy not chosen for REPROBE flushes runs
+    once."""
+    table = SignatureTable()
+    nodes = list(_tree_graph(4, 3, table).nodes)
+    m = cost.Model()
+    for t in (2e-6, 2e-6, 2e-6, 2e-6, 1.0):       # one flush of the agenda was slow
+        m.observe("agenda", len(nodes), t * len(nodes), 3, 0.01, 3)
+    for t in (5e-6,) * 4:
+        m.observe("depth", len(nodes), t * len(nodes), 3, 0.01, 3)
+    assert m.analysis_typical("agenda") == 2e-6 and m.analysis["agenda"] > 0.1
+    m.agenda_ratio = 1.0                          # no launch saved: analysis decides
+    assert m.choose(nodes, None)[0] == "agenda"   # the median, not the mean
+    m.analysis_recent["agenda"] = [1.0] * 3       # now it is slow every time
+    got = [m.choose(nodes, None)[:2] for _ in range(cost.REPROBE + 2)]
+    assert [p for p, _ in got[:cost.REPROBE]] == ["depth"] * cost.REPROBE
+    assert got[cost.REPROBE] == ("agenda", "measured again (not run for %d flushes)"
+                                 % cost.REPROBE)
+    assert got[cost.REPROBE + 1][0] == "depth"
