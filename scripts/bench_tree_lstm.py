@@ -243,7 +243,7 @@ class Modes(object):
         self.run = bench_core.Runner(vocab_size, seed=seed, embed_update=embed_update)
         self.net = self.run.net
         hand = HandBatched(self.net, hybridize=False)
-        self.act_blocks = (hand.embed, hand.cell, hand.similarity)
+        self.act_blocks = (hand.embed, hand.cell, hand.leaf, hand.similarity)
         self.batched = {"hand": hand, "hand:act": hand,
                         "fold": FoldBatched(self.net)}
         self.current = None

@@ -181,3 +181,30 @@ def test_fold_runs_one_call_per_depth_and_signature():
 def test_fold_empty_minibatch_is_an_error():
     with pytest.raises(ValueError):
         FoldBatched(make_net())([])
+
+
+def test_leaf_block_is_the_cell_without_children():
+    # the per-sample model runs leaves through the leaf block (the cell's own
+    # parameters, no child terms): the same outputs and parameter gradients as
+    # the cell with one zero child, which is what leaves computed before
+    net = make_net(3)
+    enc = net.encoder
+    x = nd.array(np.random.default_rng(0).normal(size=(4, EMBED)))
+    zero = nd.zeros((4, 1, HIDDEN))
+    params = [enc.cell.W_iou, enc.cell.b_iou]
+    assert enc.leaf.W_iou is enc.cell.W_iou and enc.leaf.b_iou is enc.cell.b_iou
+    got = []
+    for run in (lambda: enc.leaf(x), lambda: enc.cell(x, zero, zero)):
+        with autograd.record():
+            h, c = run()
+            total = nd.sum(h * h) + nd.sum(c)
+        total.backward()
+        got.append((h.asnumpy(), c.asnumpy(), [p.grad().asnumpy().copy() for p in params]))
+    (h1, c1, g1), (h2, c2, g2) = got
+    np.testing.assert_allclose(h1, h2, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(c1, c2, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # one set of parameters: the leaf adds none of its own
+    names = list(net.collect_params().keys())
+    assert len(names) == len(set(names)) and not any("leaf" in n for n in names)

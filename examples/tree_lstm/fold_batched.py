@@ -125,10 +125,10 @@ class FoldBatched(object):
     def __init__(self, net):
         self.embed = net.encoder.embed
         self.cell = net.encoder.cell
+        self.leaf = net.encoder.leaf
         self.similarity = net.similarity
-        self.encoder = net.encoder
 
-    def _encode(self, fold, tokens, tree, zero):
+    def _encode(self, fold, tokens, tree):
         ids = tokens.asnumpy().astype(int).tolist()
         states = {}
         for node in tree.postorder():
@@ -137,9 +137,9 @@ class FoldBatched(object):
                 kids = [states.pop(id(k)) for k in node.children]
                 ch = fold.add(_stack_children, *[h for h, _ in kids])
                 cc = fold.add(_stack_children, *[c for _, c in kids])
+                h = fold.add(self.cell, x, ch, cc)
             else:
-                ch = cc = zero
-            h = fold.add(self.cell, x, ch, cc)
+                h = fold.add(self.leaf, x)
             states[id(node)] = (h, fold.out(h, 1))
         return states[id(tree)][0]
 
@@ -148,9 +148,8 @@ class FoldBatched(object):
             raise ValueError("FoldBatched.forward: empty list of pairs")
         ctx = pairs[0][0].context
         fold = Fold(ctx)
-        zero = self.encoder.zero_state(ctx)
-        roots = [fold.add(self.similarity, self._encode(fold, p[0], p[1], zero),
-                          self._encode(fold, p[2], p[3], zero)) for p in pairs]
+        roots = [fold.add(self.similarity, self._encode(fold, p[0], p[1]),
+                          self._encode(fold, p[2], p[3])) for p in pairs]
         return nd.concat(*fold.run(roots), dim=0)
 
     __call__ = forward

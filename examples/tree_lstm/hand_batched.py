@@ -25,7 +25,8 @@ Padding is exact: in :class:`~examples.tree_lstm.model.ChildSumLSTMCell` a
 child contributes ``h_k`` to the child sum and ``f_k * c_k`` to the cell
 state, so a child with ``h = c = 0`` adds nothing to the outputs, and, as
 ``d(f_k * c_k)/d f_k = c_k = 0``, nothing to any parameter gradient either.
-Leaves get one zero child, as in the per-sample model.
+The leaf level runs the leaf block (the cell without children), as the
+per-sample model does for each leaf.
 
 The embedding is the net's own block, so the net's ``embed_update`` holds here
 as well: frozen, no gradient; sparse, the one ``Embedding`` call over all the
@@ -139,6 +140,7 @@ class HandBatched(object):
         self.net = net
         self.embed = net.encoder.embed
         self.cell = net.encoder.cell
+        self.leaf = net.encoder.leaf
         self.similarity = net.similarity
         self.hidden = net.encoder.hidden_size
         self._zeros = {}
@@ -146,16 +148,16 @@ class HandBatched(object):
             self.hybridize()
 
     def hybridize(self, active=True):
-        for block in (self.embed, self.cell, self.similarity):
+        for block in (self.embed, self.cell, self.leaf, self.similarity):
             block.hybridize(active)
 
-    def _zero(self, n, ctx, dtype):
-        """A constant (n, 1, H) zero view (cached per context and dtype; no op per call)."""
+    def _zero(self, ctx, dtype):
+        """The buffer's zero row, (1, H) (cached per context and dtype)."""
         key = (ctx, np.dtype(dtype).name)
         z = self._zeros.get(key)
-        if z is None or z.shape[0] < n:
-            z = self._zeros[key] = nd.zeros((max(n, 256), 1, self.hidden), ctx=ctx, dtype=dtype)
-        return z[:n]
+        if z is None:
+            z = self._zeros[key] = nd.zeros((1, self.hidden), ctx=ctx, dtype=dtype)
+        return z
 
     def forward(self, pairs):
         if not pairs:
@@ -167,15 +169,14 @@ class HandBatched(object):
         index = nd.array(p.index, ctx=ctx, dtype=np.int32)   # the one index transfer
         ids = nd.take(nd.concat(*toks, dim=0), index[:p.nodes])
         emb = self.embed(ids)                                 # (nodes, E), level-major
-        buf = self._zero(1, ctx, emb.dtype).reshape((1, self.hidden))
+        buf = self._zero(ctx, emb.dtype)
         for x_begin, n, k, i in p.levels:
             x = emb[x_begin:x_begin + n]
             if k == 0:
-                ch = cc = self._zero(n, ctx, emb.dtype)
+                h, c = self.leaf(x)
             else:
                 g = nd.take(buf, index[i:i + 2 * n * k].reshape((2, n, k)))  # (2, n, K, H)
-                ch, cc = g[0], g[1]
-            h, c = self.cell(x, ch, cc)
+                h, c = self.cell(x, g[0], g[1])
             buf = nd.concat(buf, h, c, dim=0)
         n = p.pairs
         r = nd.take(buf, index[p.roots_begin:p.roots_begin + 2 * n].reshape((2, n)))

@@ -9,8 +9,8 @@ from mxnet.gluon import HybridBlock, nn
 
 
 class ChildSumLSTMCell(HybridBlock):
-    """One tree node. ``x``: (B, D) inputs; ``ch``, ``cc``: (B, K, H) children's
-    hidden and cell states (a leaf passes one zero child, which adds nothing)."""
+    """One tree node with children. ``x``: (B, D) inputs; ``ch``, ``cc``: (B, K, H)
+    children's hidden and cell states (leaves: :class:`ChildSumLSTMLeaf`)."""
 
     def __init__(self, hidden_size, input_size=0, **kwargs):
         super(ChildSumLSTMCell, self).__init__(**kwargs)
@@ -45,6 +45,29 @@ class ChildSumLSTMCell(HybridBlock):
         return o * F.tanh(c), c
 
 
+class ChildSumLSTMLeaf(HybridBlock):
+    """A leaf of the same Tree-LSTM: the cell with no children, on the cell's own
+    parameters (Gluon's sharing: the cell's prefix and parameter dict). With no
+    children the child sum, the forget gates and the ``U`` products are zero,
+    so a leaf computes only ``W_iou x + b_iou`` and the gates: about half a
+    cell's arithmetic. Outputs equal ``cell(x, zero, zero)`` up to rounding."""
+
+    def __init__(self, cell, **kwargs):
+        super(ChildSumLSTMLeaf, self).__init__(prefix=cell.prefix, params=cell.params, **kwargs)
+        h = self._hidden = cell._hidden  # pylint: disable=protected-access
+        with self.name_scope():
+            self.W_iou = self.params.get("W_iou", shape=cell.W_iou.shape,
+                                         allow_deferred_init=True)
+            self.b_iou = self.params.get("b_iou", shape=(3 * h,), init="zeros")
+
+    def hybrid_forward(self, F, x, W_iou, b_iou):  # pylint: disable=arguments-differ
+        iou = F.FullyConnected(x, W_iou, b_iou, num_hidden=3 * self._hidden)
+        i, o, u = F.split(F.reshape(iou, shape=(0, 3, -1)), num_outputs=3, axis=1,
+                          squeeze_axis=True)
+        c = F.sigmoid(i) * F.tanh(u)
+        return F.sigmoid(o) * F.tanh(c), c
+
+
 class Similarity(HybridBlock):
     """Distance features of two sentence vectors -> log class probabilities."""
 
@@ -68,17 +91,10 @@ class TreeEncoder(gluon.Block):
         with self.name_scope():
             self.embed = nn.Embedding(vocab_size, embed_size, sparse_grad=sparse_grad)
             self.cell = ChildSumLSTMCell(hidden_size, input_size=embed_size)
-        self._zero = {}
-
-    def zero_state(self, ctx):
-        z = self._zero.get(ctx)
-        if z is None:
-            z = self._zero[ctx] = nd.zeros((1, 1, self.hidden_size), ctx=ctx)
-        return z
+            self.leaf = ChildSumLSTMLeaf(self.cell)
 
     def forward(self, tokens, tree):  # pylint: disable=arguments-differ
         emb = self.embed(tokens)                       # (L, E)
-        zero = self.zero_state(tokens.context)
         states = {}
         for node in tree.postorder():
             x = emb[node.idx:node.idx + 1]             # (1, E)
@@ -88,7 +104,7 @@ class TreeEncoder(gluon.Block):
                 cc = nd.stack(*[s[1] for s in kids], axis=1)
                 states[id(node)] = self.cell(x, ch, cc)
             else:
-                states[id(node)] = self.cell(x, zero, zero)
+                states[id(node)] = self.leaf(x)
         return states[id(tree)][0]
 
 
@@ -136,5 +152,5 @@ def kl_loss():
     return gluon.loss.KLDivLoss(from_logits=True)
 
 
-__all__ = ["EMBED_UPDATES", "ChildSumLSTMCell", "Similarity", "TreeEncoder", "SimilarityTreeLSTM",
+__all__ = ["EMBED_UPDATES", "ChildSumLSTMCell", "ChildSumLSTMLeaf", "Similarity", "TreeEncoder", "SimilarityTreeLSTM",
            "expected_score", "kl_loss", "mx"]
