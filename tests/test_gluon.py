@@ -27,10 +27,13 @@ def _binary(depth, n, policy):
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
 @pytest.mark.parametrize("depth", [1, 3, 5])
 def test_identical_trees_take_one_launch_per_level(policy, depth):
-    # one cell launch per tree level plus one for the heads, whatever the count
+    # one cell launch per tree level plus one for the heads, whatever the count,
+    # and one creation of the samples' zero states: each sample makes its own
+    # (nd.zeros), recorded from the second sample on (the first runs eagerly,
+    # nothing is pending yet), made by one launch at depth 0
     _, st = _binary(depth, 7, policy)
-    assert st["nodes"] == 7 * (2 ** depth - 1) + 7
-    assert st["launches"] == depth + 1
+    assert st["nodes"] == 7 * (2 ** depth - 1) + 7 + 6
+    assert st["launches"] == depth + 2
 
 
 def test_later_gathers_are_planned_after_the_first_launches(monkeypatch):
@@ -44,17 +47,17 @@ def test_later_gathers_are_planned_after_the_first_launches(monkeypatch):
                         prep(self, batches))
     monkeypatch.setattr(GluonBackend, "launch",
                         lambda self, batch: events.append(("launch",)) or launch(self, batch))
-    outs, st = _binary(5, 3, "depth")
-    assert events == [("plan", 2), ("launch",), ("launch",), ("plan", 4)] + [("launch",)] * 4
-    assert st["launches"] == 6 and st["analysis_seconds"] > 0
+    outs, st = _binary(5, 3, "depth")        # zero states, 5 levels, heads
+    assert events == [("plan", 2), ("launch",), ("launch",), ("plan", 5)] + [("launch",)] * 5
+    assert st["launches"] == 7 and st["analysis_seconds"] > 0
     events.clear()
-    _binary(3, 3, "depth")                   # 4 launches: too few to split
+    _binary(2, 3, "depth")                   # 4 launches: too few to split
     assert events == [("plan", 4)] + [("launch",)] * 4
 
 
 def test_sequential_takes_one_launch_per_node():
-    _, st = _binary(3, 4, "sequential")
-    assert st["launches"] == st["nodes"] == 4 * 8
+    _, st = _binary(3, 4, "sequential")      # 8 nodes per sample, 3 zero states
+    assert st["launches"] == st["nodes"] == 4 * 8 + 3
 
 
 def test_lazy_arrays_look_like_ndarrays():
@@ -360,7 +363,8 @@ def test_failure_in_merged_execution_names_site_and_recovers():
     def boom(*a):
         raise RuntimeError("kernel exploded")
     net._call_cached_op = boom
-    ys = [net(nd.ones((1, 2)) * i) for i in range(3)]   # this line is the call site
+    xs = [nd.ones((1, 2)) * i for i in range(3)]
+    ys = [net(x) for x in xs]   # this line is the call site
     with pytest.raises(jitbatch.ExecutionError,
                        match=r"(?s)3 call\(s\) to dense\d+ failed: RuntimeError: kernel exploded.*"
                              r"test_gluon.py:\d+ in <listcomp>|test_gluon.py:\d+ in test_failure"):
@@ -445,10 +449,11 @@ def test_auto_times_launches_only_on_calibrating_flushes(monkeypatch):
         b.initialize()
         b.hybridize(dynamic_batch=True)          # policy 'auto'
     seen = []
+    xs = [nd.ones((1, 2)) * i for i in range(3)]
     for k in range(1, 71):
-        ys = [net(nd.ones((1, 2)) * i) for i in range(3)]
+        ys = [net(x) for x in xs]
         if k >= 67:                              # a new block from the 67th flush on
-            ys += [late(nd.ones((1, 2)) * i) for i in range(2)]
+            ys += [late(x) for x in xs[:2]]
         jitbatch.flush()
         seen.append(jitbatch.stats()["last_flush"]["calibrated"])
         assert ys[0].shape == (1, 2)
@@ -614,7 +619,8 @@ def test_stack_of_lazy_rows_is_virtual_and_other_stacks_are_not():
     net = nn.Dense(2, in_units=2)
     net.initialize()
     net.hybridize(dynamic_batch=True)
-    a, b = net(nd.ones((1, 2))), net(nd.ones((1, 2)) * 2)
+    x1, x2 = nd.ones((1, 2)), nd.ones((1, 2)) * 2
+    a, b = net(x1), net(x2)
     jitbatch.reset_stats()
     s1 = nd.stack(a, b, axis=1)                  # (1, 2, 2): rows side by side, no node
     s0 = nd.stack(a, b)                          # axis 0: a real (recorded) operator
@@ -665,9 +671,11 @@ def test_twin_arguments_reuse_the_planned_index_rows(monkeypatch, policy):
     for p in cells:
         for h, c in ((p[1], p[2]), (p[3], p[4])):   # (hl, cl), (hr, cr)
             assert (c.kind, c.start, c.stop, c.values) == (h.kind, h.start, h.stop, h.values)
+            if c.srcs == h.srcs:
+                continue      # leaves: h and c are both their sample's zero state
             assert c.srcs == [(s[0], 1) if type(s) is tuple else s for s in h.srcs]
             read += type(h.srcs[0]) is tuple
-    assert read == 4      # levels 2 and 3 read launch outputs, each (hl, cl) and (hr, cr)
+    assert read == 4      # levels 2 and 3 read cell outputs, each (hl, cl) and (hr, cr)
 
 
 def test_flushed_graphs_are_freed_when_a_read_waits():
@@ -901,13 +909,68 @@ def test_arrays_made_from_python_data_while_pending_merge_into_one_creation(poli
     ys = [emb(x) for x in xs]
     ys[-1].asnumpy()
     st = jitbatch.stats()
-    if policy != "auto":   # one creation; the embedding in one launch (depth: the
-        # first call, whose id was concrete, sits a level lower: two)
-        assert st["launches"] == (3 if policy == "depth" else 2), st
+    if policy != "auto":   # one creation; the embedding in one launch (the first
+        # call's id was concrete, the others' recorded creations sit at depth 0)
+        assert st["launches"] == 2, st
     np.testing.assert_allclose(xs[2].asnumpy(), [4.0])
     emb.hybridize(active=False)
     np.testing.assert_allclose(ys[2].asnumpy(), emb(nd.array([4])).asnumpy(), rtol=1e-6)
     assert first.shape == (1, 3)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential", "auto"])
+def test_zeros_and_begin_states_made_while_pending_merge_into_one_creation(policy):
+    # a GRU over per-sample sequences, each starting from its cell's
+    # begin_state (nd.zeros) and adding an nd.ones bias: while a graph is
+    # pending those creations are recorded and made by one array creation per
+    # flush; outputs and gradients are plain Gluon's
+    cell = gluon.rnn.GRUCell(4, input_size=3)
+    cell.initialize(mx.init.Uniform(0.5))
+    rng = np.random.default_rng(1)
+    seqs = [nd.array(rng.normal(size=(t, 3))) for t in (2, 3, 1, 2)]
+
+    def go(flag):
+        cell.hybridize(dynamic_batch=True, policy=policy) if flag else \
+            cell.hybridize(active=False)
+        cell.collect_params().zero_grad()
+        with autograd.record():
+            outs = []
+            for seq in seqs:
+                state = cell.begin_state(batch_size=1)
+                for t in range(seq.shape[0]):
+                    out, state = cell(seq[t:t + 1], state)
+                outs.append(out + nd.ones((1, 4), dtype="float32") * 0.5)
+            loss = nd.add_n(*[(o * o).sum() * (k + 1) for k, o in enumerate(outs)])
+        loss.backward()
+        return [o.asnumpy() for o in outs], {k: p.grad().asnumpy().copy()
+                                             for k, p in cell.collect_params().items()}
+    ref = go(False)
+    jitbatch.reset_stats()
+    got = go(True)
+    assert_same(ref, got)
+    # exact counts: the first sample's begin_state ran eagerly (nothing pending
+    # yet); the other three and all four nd.ones were recorded
+    cell.hybridize(dynamic_batch=True, policy=policy)
+    jitbatch.reset_stats()
+    first = cell(seqs[0][0:1], cell.begin_state(batch_size=1))[0]   # starts the graph
+    zs = [cell.begin_state(batch_size=1)[0] for _ in range(3)] + [nd.ones((2, 4))]
+    assert all(jitbatch.is_lazy(z) for z in zs)
+    assert zs[0].shape == (1, 4) and zs[0].dtype == np.float32
+    ys = [cell(seqs[1][0:1], [z])[0] for z in zs[:3]]
+    total = nd.add_n(*ys) + zs[3][0:1]
+    np.testing.assert_allclose(total.asnumpy(), 3 * ys[0].asnumpy() + 1, rtol=1e-5)
+    st = jitbatch.stats()
+    # one read, one flush: a new operator signature's shape inference (on zeros
+    # jitbatch makes itself) must not run the pending graph
+    assert st["nodes"] == 1 + 4 + 3 + 2 and st["flushes"] == 1, st
+    if policy in ("depth", "agenda"):
+        # one creation for the four arrays (zeros and ones alike: one signature
+        # per row shape and dtype), the four cell calls merged (the creations sit
+        # at depth 0, so the calls on them align with the first), add_n, the +
+        assert st["launches"] == 4, st
+    assert first.shape == (1, 4)
+    np.testing.assert_allclose(zs[1].asnumpy(), np.zeros((1, 4)))
+    np.testing.assert_allclose(zs[3].asnumpy(), np.ones((2, 4)))
 
 
 def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget_that_would(

@@ -70,8 +70,9 @@ def test_no_chunks(chunks, monkeypatch, how):
     net = nn.Dense(3, in_units=3)
     net.initialize()
     net.hybridize(dynamic_batch=True, policy=policy)
+    xs = [nd.ones((1, 3)) * i for i in range(35)]    # concrete: nothing pending yet
     jitbatch.reset_stats()
-    ys = [net(nd.ones((1, 3)) * i) for i in range(35)]
+    ys = [net(x) for x in xs]
     st = jitbatch.stats()
     assert st["pipelined_flushes"] == 0 and st["pending"] == 35
     assert ys[-1].shape == (1, 3)

@@ -14,6 +14,7 @@ try:
 except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
+import numpy as np
 from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint, py_str
@@ -77,6 +78,14 @@ def op_handle(name):
     if not _HANDLES:
         _op_table()
     return _HANDLES[name]
+
+
+def zeros(shape, ctx, dtype):
+    """A concrete zero array, made through MXNet's own operator entry point: the
+    patched one records ``nd.zeros`` while a graph is pending, and jitbatch's
+    own zeros (shape inference, padding) must exist at once."""
+    return invoke(op_handle("_zeros"), [], ["shape", "ctx", "dtype"],
+                  [tuple(shape), ctx, np.dtype(dtype).name], None, False, False)
 
 
 def run_op(handle, args, keys, vals):

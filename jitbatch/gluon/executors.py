@@ -203,6 +203,6 @@ def infer_outputs(handle, metas, keys, vals, ctx):
     """Per-sample output (shape, dtype) list of an operator, found by running it
     once on zeros."""
     with ctx, autograd.pause(train_mode=False):
-        args = [nd.zeros(s, ctx=ctx, dtype=d) for s, d in metas]
+        args = [_mxapi.zeros(s, ctx, d) for s, d in metas]
         out = _mxapi.run_op(handle, args, keys, vals)
     return tuple((o.shape, o.dtype) for o in out)

@@ -342,7 +342,7 @@ def _zeros(rows, unit, dtype, ctx):
     key = (unit, np.dtype(dtype).name, ctx)
     z = _ZEROS.get(key)
     if z is None or z.shape[0] < rows:
-        z = _ZEROS[key] = nd.zeros((max(rows, 8),) + unit, ctx=ctx, dtype=dtype)
+        z = _ZEROS[key] = _mxapi.zeros((max(rows, 8),) + unit, ctx, dtype)
     return z
 
 
@@ -355,7 +355,7 @@ def _padded(part, shape, pad):
     if k == kmax:
         return part
     zshape = tuple(shape[:axis]) + (kmax - k,) + tuple(shape[axis + 1:])
-    return nd.concat(part, nd.zeros(zshape, ctx=part.context, dtype=part.dtype), dim=axis)
+    return nd.concat(part, _mxapi.zeros(zshape, part.context, part.dtype), dim=axis)
 
 
 def _ragged_want(values, shape, sizes):

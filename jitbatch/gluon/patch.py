@@ -28,8 +28,8 @@ from . import _mxapi, meta, rewrite, signatures
 from .flags import FLAG_KEYS, parse_flags
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
-from .record import (ROWS_OPS, before_write, record_block, record_const, record_op,
-                     rows_composite, stack)
+from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
+                     record_filled, record_op, rows_composite, stack)
 
 _patches = []          # (owner, name, original) in patch order
 _MISSING = object()
@@ -52,6 +52,13 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
         if type(a) is LazyArray:
             break
     else:
+        if not ndargs and out is None and handle in FILLS and not is_np_op:
+            # nd.zeros / nd.ones (an RNN's begin_state) while a graph is pending
+            g: Graph = current_graph()
+            if g.nodes and not g.executing:
+                res = record_filled(g, handle, keys, vals)
+                if res is not None:
+                    return res
         if _SCOPES and ndargs and out is None and not is_np_op:
             # concrete arguments inside an unflagged block run on lazy ones (a
             # per-sample loss's label arithmetic): recorded too, so they merge

@@ -16,6 +16,8 @@ try:
 except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
+import numpy as np
+from mxnet.context import Context
 from mxnet.gluon.block import _flatten, _regroup
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
@@ -23,7 +25,7 @@ from mxnet.symbol import Symbol
 from .. import config as _config
 from .. import cost, execute, pipeline
 from ..errors import BatchingError
-from ..graph import Composite, Graph, current_graph
+from ..graph import Composite, Graph, Node, current_graph
 from ..signature import SigInfo
 from . import _mxapi
 from .backend import BACKEND
@@ -195,10 +197,68 @@ def record_const(g, values, ctx):
     dev = device(ctx)
     info = const_signature(values.shape[1:], values.dtype.type, dev)
     mode_ = mode(g)
-    node = gr.add(info, (values,), site(), mode_, values.shape[0])
+    node: Node = gr.add(info, (values,), site(), mode_, values.shape[0])
+    # depth 0: its users sit where users of concrete arrays sit (depth 1), so a
+    # sample whose array was made eagerly (nothing pending yet) stays aligned
+    # with the samples after it under the depth policy
+    node.depth = 0
     out = new_lazy(node, 0, values.shape, values.dtype.type, dev, None)
     maybe_autoflush(g)
     return out
+
+
+#: operator handle -> the fill of the arrays it creates from nothing (nd.zeros, nd.ones)
+FILLS = {}
+_FILLED = {}    # (handle, keys, vals) -> (row values, context) of a creation seen before
+
+
+def _fills():
+    FILLS[_mxapi.op_handle("_zeros")] = 0
+    FILLS[_mxapi.op_handle("_ones")] = 1
+
+
+_fills()
+
+
+def record_filled(g, handle, keys, vals):
+    """``nd.zeros`` / ``nd.ones`` (``handle`` in ``FILLS``; also how Gluon's
+    ``begin_state`` makes an RNN's initial state) while the thread's graph
+    ``g`` is pending: recorded as ``nd.array`` of its values is
+    (``record_const``), so a flush makes all of them with one array creation
+    instead of one operator call each. None where the call is not a plain
+    creation (the caller runs it)."""
+    try:
+        key = (handle, tuple(keys), tuple(vals))
+        made = _FILLED.get(key)
+    except TypeError:     # an unhashable argument: not a plain creation
+        return None
+    if made is None:
+        made = _filled_values(FILLS[handle], keys, vals)
+        if len(_FILLED) < 4096:
+            _FILLED[key] = made
+    if made is False:
+        return None
+    return record_const(g, made[0], made[1])
+
+
+def _filled_values(fill, keys, vals):
+    """(values, context) of a creation's keyword arguments, or False where they
+    are not a plain shape, device and numeric dtype."""
+    args = dict(zip(keys, vals))
+    shape, ctx, dtype = args.get("shape"), args.get("ctx"), args.get("dtype")
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, tuple) or not shape or not all(
+            isinstance(d, int) and d > 0 for d in shape) or type(ctx) is str:
+        return False
+    try:
+        values = np.full(shape, fill, dtype=np.float32 if dtype is None else dtype)
+    except (TypeError, ValueError):
+        return False
+    if values.dtype.kind not in "biuf" or not isinstance(ctx, Context):
+        return False
+    values.setflags(write=False)   # shared by every call with these arguments
+    return values, ctx
 
 
 # -- composites: stacks of rows, concatenations along axis 0 --------------------------
