@@ -973,6 +973,32 @@ def test_zeros_and_begin_states_made_while_pending_merge_into_one_creation(polic
     np.testing.assert_allclose(zs[3].asnumpy(), np.ones((2, 4)))
 
 
+def test_rnn_cell_calls_are_recorded_and_count_their_steps_like_gluon():
+    # Gluon's RNN cells run RecurrentCell.forward (which counts the step) before
+    # HybridBlock.forward; their calls are recorded straight from Block.__call__
+    # with the same count, and a cell with a forward hook takes MXNet's own path
+    # so the hook still runs; the outputs regroup as (out, [h]) and (out, [h, c])
+    for cell in (gluon.rnn.GRUCell(3, input_size=2), gluon.rnn.LSTMCell(3, input_size=2)):
+        cell.initialize(mx.init.Uniform(0.5))
+        x = nd.array([[0.5, -1.0]])
+        state = cell.begin_state(batch_size=1)
+        cell.hybridize(active=False)
+        want_out, want_state = cell(x, state)
+        cell.hybridize(dynamic_batch=True)
+        before = cell._counter
+        out, new_state = cell(x, state)
+        assert cell._counter == before + 1
+        assert jitbatch.is_lazy(out) and type(new_state) is list
+        assert len(new_state) == len(want_state)
+        for a, b in zip([out] + new_state, [want_out] + want_state):
+            np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+        seen = []
+        cell.register_forward_hook(lambda block, args, res: seen.append(len(args)))
+        out, _ = cell(x, state)
+        assert seen == [2] and cell._counter == before + 2 and jitbatch.is_lazy(out)
+        jitbatch.flush()
+
+
 def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget_that_would(
         monkeypatch, recwarn):
     from jitbatch import cost, execute

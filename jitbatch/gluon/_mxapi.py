@@ -20,6 +20,7 @@ from mxnet import ndarray as nd
 from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint, py_str
 from mxnet.contrib import autograd as contrib_autograd
 from mxnet.gluon.block import Block, HybridBlock
+from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.ndarray import NDArray
 from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register
@@ -34,6 +35,7 @@ block_hybridize = Block.hybridize
 hybrid_hybridize = HybridBlock.hybridize
 clear_cached_op = HybridBlock._clear_cached_op  # pylint: disable=protected-access
 get_graph = HybridBlock._get_graph  # pylint: disable=protected-access
+recurrent_forward = RecurrentCell.forward
 nd_stack = nd.stack
 nd_array = nd.array
 waitall = nd.waitall

@@ -15,6 +15,7 @@ from mxnet.base import mx_real_t as _mx_real_t
 from mxnet.context import Context
 
 from mxnet.gluon.block import Block, HybridBlock
+from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.ndarray import NDArray, register
 from mxnet import ndarray as _ndmod
 from mxnet.symbol import Symbol
@@ -181,6 +182,18 @@ def _scoped_forward(self, x, args):
         _SCOPES -= 1
 
 
+_RECURRENT = {}   # class -> whether its RecurrentCell.forward goes on to _forward
+
+
+def _recurrent_is_hybrid(cls):
+    """Whether ``RecurrentCell.forward`` of a ``cls`` instance hands the call to
+    ``HybridBlock.forward`` (``_forward``) next: a hybrid Gluon RNN cell."""
+    ok = _RECURRENT.get(cls)
+    if ok is None:
+        ok = _RECURRENT[cls] = getattr(super(RecurrentCell, cls), "forward", None) is _forward
+    return ok
+
+
 def _call(self, *args):
     """``Block.__call__`` of a flagged block: if user code raises while
     recording, the nodes this call recorded are dropped (and their lazy arrays
@@ -190,14 +203,21 @@ def _call(self, *args):
     g: Graph = current_graph()
     mark = len(g.nodes)
     try:
-        if args and type(self).forward is _forward and self._active and \
-                not g.executing and not g.passthrough and not self._forward_hooks and \
-                not self._forward_pre_hooks and not _mxapi.np_array_mode():
+        if args and not g.executing and not g.passthrough and not self._forward_hooks and \
+                not self._forward_pre_hooks:
             # what Block.__call__ -> HybridBlock.forward would do here, minus two
-            # Python frames: record the call (None: symbols, run it as usual)
-            res = record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access
-            if res is not None:
-                return res
+            # Python frames: record the call (None: symbols, run it as usual). A
+            # Gluon RNN cell (GRUCell, LSTMCell, ...) goes through
+            # RecurrentCell.forward first, which counts the step
+            fwd = type(self).forward
+            rnn = fwd is _mxapi.recurrent_forward and len(args) == 2 and \
+                _recurrent_is_hybrid(type(self))
+            if (fwd is _forward or rnn) and self._active and not _mxapi.np_array_mode():
+                res = record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access
+                if res is not None:
+                    if rnn:
+                        self.__dict__["_counter"] = self._counter + 1
+                    return res
         return _mxapi.block_call(self, *args)
     except BaseException as e:
         if not g.executing and g.discard_since(mark, e):

@@ -131,7 +131,7 @@ def record_block(block, g, x, args, frame):
     ofmt = block._out_format  # pylint: disable=protected-access
     if ofmt == _FLAT.get(len(outs)):
         return outs if len(outs) > 1 else outs[0]
-    return _regroup(outs, ofmt)
+    return _outputs(outs, ofmt)
 
 
 def _arguments(block, allargs):
@@ -145,6 +145,9 @@ def _arguments(block, allargs):
     else:        # the common case: plain arrays
         n = len(allargs)
         return allargs, (_FLAT_IN[n] if n < 16 else [0] * n), n
+    res = _one_level(allargs)
+    if res is not None:
+        return res
     for i, a in enumerate(allargs):
         if not isinstance(a, (NDArray, Symbol, list, tuple)) and a is not None:
             raise BatchingError(
@@ -166,6 +169,59 @@ def _arguments(block, allargs):
             raise BatchingError("block %s: argument of type %s; expected NDArray"
                                 % (block.name, type(a).__name__))
     return flat, fmt, str(fmt)
+
+
+_ONE_LEVEL = {}  # per argument -1 (an array) or n (a list of n): (format, format key)
+
+
+def _one_level(allargs):
+    """``(flat, format, format key)`` of arguments that are arrays or lists of
+    arrays (an RNN cell's ``(x, [h, c])``), as MXNet's recursive ``_flatten``
+    gives them, with the format made once per structure; None for any other."""
+    flat = []
+    struct = []
+    for a in allargs:
+        t = type(a)
+        if t is LazyArray or t is NDArray:
+            flat.append(a)
+            struct.append(-1)
+        elif t is list or t is tuple:
+            for b in a:
+                t = type(b)
+                if t is not LazyArray and t is not NDArray:
+                    return None
+            flat.extend(a)
+            struct.append(len(a))
+        else:
+            return None
+    key = tuple(struct)
+    made = _ONE_LEVEL.get(key)
+    if made is None:
+        fmt = [0 if k == -1 else [0] * k for k in struct]
+        made = _ONE_LEVEL[key] = (fmt, str(fmt))
+    return flat, made[0], made[1]
+
+
+def _outputs(outs, ofmt):
+    """A block's outputs in its output format: arrays and lists of arrays
+    directly (``(out, [h, c])``), anything deeper through MXNet's ``_regroup``."""
+    if type(ofmt) is not list:
+        return _regroup(outs, ofmt)
+    ret = []
+    i = 0
+    for f in ofmt:
+        if type(f) is int and f == 0:
+            ret.append(outs[i])
+            i += 1
+        elif type(f) is list:
+            for g in f:
+                if type(g) is not int or g != 0:
+                    return _regroup(outs, ofmt)
+            ret.append(outs[i:i + len(f)])
+            i += len(f)
+        else:
+            return _regroup(outs, ofmt)
+    return ret
 
 
 # -- operators ------------------------------------------------------------------------
