@@ -1,5 +1,4 @@
-"""The batch-axis contract, checked: does each output row of a traced block depend
-on its own sample's rows only?
+"""The batch-axis contract, checked: each output row of a traced block depends on its own sample's rows.
 
 Merging concatenates the samples of a launch along axis 0 and runs the block's
 graph once; that is exact only if no operator of the graph combines rows of
