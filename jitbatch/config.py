@@ -44,11 +44,3 @@ row_buckets = 16
 #: rule: jitbatch.gluon.contract) runs its calls one per sample and warns once
 #: (``jitbatch.ContractWarning``); True raises ``BatchingError`` there instead
 strict = False
-
-#: under autograd recording (training), a merged launch of a block signature
-#: whose input shapes it launched before runs a CachedOp of its own for those
-#: shapes, with MXNet's static memory and shapes (no shape inference and
-#: memory planning per call); at most this many such CachedOps per signature
-#: (each holds its shapes' buffers). 0: every launch runs the block's own
-#: CachedOp. Inference launches always do (measured no gain there).
-static_launches = 16

@@ -999,56 +999,6 @@ def test_rnn_cell_calls_are_recorded_and_count_their_steps_like_gluon():
         jitbatch.flush()
 
 
-@pytest.mark.parametrize("static", [16, 0], ids=["static", "dynamic"])
-def test_training_launches_of_repeated_shapes_equal_plain_gluon(monkeypatch, static):
-    # six sequences of five steps: every step's launch has the same shapes, so
-    # from the second on (and in every later minibatch) it runs a CachedOp of
-    # its own with static memory (config.static_launches), several of them in
-    # flight before backward; three Adagrad steps give plain Gluon's losses
-    # and parameters
-    from jitbatch.gluon.executors import BlockExec
-    from jitbatch.gluon.signatures import TABLE
-    monkeypatch.setattr(jitbatch.config, "static_launches", static)
-    cell = gluon.rnn.GRUCell(4, input_size=3)
-    cell.initialize(mx.init.Uniform(0.5))
-    rng = np.random.default_rng(3)
-    seqs = [nd.array(rng.normal(size=(5, 3))) for _ in range(6)]
-    start = {k: p.data().copy() for k, p in cell.collect_params().items()}
-
-    def train(flag):
-        for k, p in cell.collect_params().items():
-            p.set_data(start[k])
-        if flag:
-            cell.hybridize(dynamic_batch=True, policy="agenda")
-        else:
-            cell.hybridize(active=False)
-        trainer = gluon.Trainer(cell.collect_params(), "adagrad", {"learning_rate": 0.1})
-        losses = []
-        for _ in range(3):
-            with autograd.record():
-                outs = []
-                for seq in seqs:
-                    state = cell.begin_state(batch_size=1)
-                    for t in range(5):
-                        out, state = cell(seq[t:t + 1], state)
-                    outs.append((out * out).sum())
-                loss = nd.add_n(*outs)
-            loss.backward()
-            trainer.step(len(seqs))
-            losses.append(loss.asscalar())
-        return losses, {k: p.data().asnumpy() for k, p in cell.collect_params().items()}
-    want_losses, want = train(False)
-    got_losses, got = train(True)
-    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6)
-    execs = [i.op for i in TABLE._table.values()
-             if isinstance(getattr(i, "op", None), BlockExec) and i.op.block is cell]
-    made = sum(len(e.static or ()) for e in execs)
-    assert (made >= 1) if static else (made == 0)
-    cell.hybridize(active=False)
-
-
 def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget_that_would(
         monkeypatch, recwarn):
     from jitbatch import cost, execute

@@ -15,7 +15,6 @@ from mxnet import autograd
 from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
 
-from .. import config as _config
 from ..errors import BatchingError
 from . import _mxapi, gather
 from .layout import finish, flat_shape
@@ -26,9 +25,6 @@ from .lazy import LazyArray, row_value
 #: its Parameter: merged launches read parameters when they run, so a write to
 #: one while calls are pending runs them first (record.before_write)
 PARAM_ARRAYS = {}
-#: distinct input shapes of a block signature counted while looking for repeats
-#: (see BlockExec._static_op); the count starts over past this many
-_SEEN_LIMIT = 256
 
 
 def watch_params(block):
@@ -56,7 +52,7 @@ class BlockExec(object):
     bounded tables, which must not keep users' models alive (the graph holds
     the blocks of its pending calls: ``record``)."""
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages", "merges", "static", "seen")
+                 "stages", "merges")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
 
@@ -72,8 +68,6 @@ class BlockExec(object):
         self.checked = False
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
         self.stages = None  # its input-stage plan: None until looked for, False: none
-        self.static = None  # input shapes -> a static CachedOp (see _static_op)
-        self.seen = None    # input shapes launched once so far
 
     @property
     def block(self):
@@ -86,22 +80,11 @@ class BlockExec(object):
             return
         n = batch[0].group.size     # with filler samples (config.row_buckets)
         with self.ctx, _mxapi.mode_scope(self.mode):
-            ins = gather.gather_batch(batch)
-            block = self.block
-            op = None
-            if self.mode[0] and _config.static_launches and \
-                    block._cached_op is not None:  # pylint: disable=protected-access
-                op = self._static_op(block, ins)
-            if op is None:
-                it = iter(ins)
-                flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
-                out = block._call_cached_op(*_regroup(flat, self.fmt))  # pylint: disable=protected-access
-                outs, _ = _flatten(out, "output")
-            else:
-                outs = op(*[ins[x] if is_arg else x.data()
-                            for is_arg, x in block._cached_op_args])  # pylint: disable=protected-access
-                if not isinstance(outs, list):
-                    outs = [outs]
+            it = iter(gather.gather_batch(batch))
+            flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
+            args = _regroup(flat, self.fmt)
+            out = self.block._call_cached_op(*args)  # pylint: disable=protected-access
+            outs, _ = _flatten(out, "output")
         if not self.checked:
             watch_params(self.block)     # initialized by now, if deferred before
             for o, m in zip(outs, self.out_meta):
@@ -114,36 +97,6 @@ class BlockExec(object):
             self.checked = True
         finish(batch, outs)
 
-
-    def _static_op(self, block, ins):
-        """A CachedOp of the block's traced graph for these input shapes alone,
-        with static memory and shapes, for a shape this signature launched
-        before (``config.static_launches``); None otherwise."""
-        key = tuple([a.shape for a in ins])
-        ops = self.static
-        if ops is None:
-            ops = self.static = {}
-            self.seen = {}
-        op = ops.get(key)
-        if op is not None:
-            return op
-        seen = self.seen
-        if key not in seen:       # a shape launched once may never come again
-            if len(seen) >= _SEEN_LIMIT:
-                seen.clear()
-            seen[key] = True
-            return None
-        if len(ops) >= _config.static_launches:
-            return None
-        data, params = [], []
-        for k, (is_arg, _) in enumerate(block._cached_op_args):  # pylint: disable=protected-access
-            (data if is_arg else params).append(k)
-        flags = [("data_indices", data), ("param_indices", params)] + \
-            [(k, v) for k, v in block._flags  # pylint: disable=protected-access
-             if k not in ("static_alloc", "static_shape")] + \
-            [("static_alloc", True), ("static_shape", True)]
-        op = ops[key] = nd.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
-        return op
 
     def _each(self, batch):
         """One call of the block's CachedOp per node, on the node's own inputs."""
