@@ -20,6 +20,10 @@ PIPE_KEEP = 5
 PIPE_REPROBE = 256
 #: more chunks are kept only if their median is this much faster than fewer chunks'
 PIPE_MARGIN = 0.05
+#: a cycle whose time between its graph's end and the next graph's start exceeds
+#: this many times the graph's own time (first record to its last flush) is not
+#: measured: other work ran between the two graphs (see Pipe)
+PIPE_OUTSIDE = 3.0
 
 def _ema(old, new):
     return new if old is None else 0.8 * old + 0.2 * new
@@ -45,9 +49,13 @@ class Pipe(object):
     measurements are dropped, so they are measured again as things change.
     Not measured: a cycle with a calibrating flush (it waits for every
     launch), one that did not start here (the chunk size is asked for at a
-    graph's first record), and the first cycle after the count changed (its
+    graph's first record), the first cycle after the count changed (its
     launches have sizes not run before, whose kernels the framework prepares
-    on first use: measured, that made a better count look worse).
+    on first use: measured, that made a better count look worse), and one
+    where more than :data:`PIPE_OUTSIDE` times the graph's own time passed
+    between its last flush and the next graph's first record: the thread did
+    other work there (other models or modes timed between two steps, an
+    evaluation pass without jitbatch), which is not this graph's throughput.
     One more chunk is tried only where it could pay (:meth:`may_pay`): the
     time the kernels (the process's other threads) waited in the current
     count's cycles, at most what chunks can fill, must exceed what the
@@ -60,10 +68,11 @@ class Pipe(object):
     launches per flush (``launches``), the current graph's nodes so far
     (``open``), its start time and whether its measurement stands."""
     __slots__ = ("launches", "graph", "open", "chunks", "times", "start", "valid", "last",
-                 "cycles", "busy", "cpu", "end")
+                 "cycles", "busy", "cpu", "end", "ended")
 
     def __init__(self):
         self.launches = self.graph = self.start = self.last = self.cpu = self.end = None
+        self.ended = None   # when the current cycle's graph's last flush ended
         self.open = 0
         self.chunks = 1
         self.times = {}
@@ -164,6 +173,7 @@ class Pipelines(object):
         if calibrated:
             p.valid = False
         if ends_graph:
+            p.ended = time.perf_counter()
             if p.open:
                 p.graph = _ema(p.graph, p.open)
             p.last = p.open if p.valid else None
@@ -194,7 +204,9 @@ class Pipelines(object):
         if p.open == 0:     # the previous graph ended at a read: a cycle starts
             stop, stop_cpu = p.end if p.end is not None else (now, cpu)
             p.end = None
-            if p.last and p.start is not None:
+            inside = p.ended - p.start if p.ended is not None and p.start is not None else None
+            if p.last and p.start is not None and inside is not None and \
+                    stop - p.ended <= PIPE_OUTSIDE * inside:
                 ts = p.times.setdefault(p.chunks, [])
                 ts.append((stop - p.start) / p.last)
                 del ts[:-PIPE_KEEP]

@@ -289,3 +289,20 @@ def test_a_cycle_ends_where_another_modes_graph_starts(timed):
         m.observe(infer, 10000, 10, True)
     m.limit(train)
     assert m.of(train).times[1] == [pytest.approx(30e-6)] * 3, m.of(train).times  # (5.3 s before)
+
+
+def test_a_cycle_with_other_work_before_the_next_graph_is_not_measured(timed):
+    """Other models or modes timed between two steps (a benchmark's
+    interleaved rounds, an evaluation without jitbatch): the time between a
+    graph's last flush and the next graph is not the graph's own, and a cycle
+    where it is several times the graph's time is not measured."""
+    m, clock, infer = timed
+    for k in range(6):
+        m.limit(infer)
+        clock.now += 10000 * 20e-6           # the graph: 20 us per node (0.2 s)
+        m.observe(infer, 10000, 10, True)
+        clock.now += 0.05 if k % 2 else 5.0  # a read's wait, or other work
+    m.limit(infer)
+    # the three cycles followed by 0.05 s are measured (0.25 s each), the three
+    # followed by 5 s (other work) are not
+    assert m.of(infer).times[1] == [pytest.approx(25e-6)] * 3, m.of(infer).times
