@@ -24,6 +24,10 @@ MODELS = {e.name: e for e in [
     Entry("attention", attention,
           "GRU encoder (3-20 tokens), 5-step GRU decoder with dot-product attention",
           tiny=_TINY, tiny_data=dict(vocab=20, max_len=6)),
+    Entry("attention_masked", attention,
+          "the same, its attention block taking a key mask, keys declared zero-paddable "
+          "(README: per-sample code that batches well)",
+          options=dict(masked=True), tiny=_TINY, tiny_data=dict(vocab=20, max_len=6)),
     Entry("graph_net", graph_net,
           "message passing over a random graph (5-20 nodes, 3 rounds), mean read-out",
           tiny=dict(types=8, hidden=5), tiny_data=dict(types=8, max_nodes=7)),

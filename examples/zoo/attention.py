@@ -17,12 +17,14 @@ are exactly 0, so the padding changes no value and no gradient), and the
 decoder's STEPS steps run once each over the whole minibatch."""
 import numpy as np
 from mxnet import gluon, nd
+
+import jitbatch
 from mxnet.gluon import HybridBlock, nn
 
 from .common import cross_entropy, index_array, labels_of, seeded
 from .gru_seq import pack, run_packed
 
-__all__ = ["DotAttention", "Seq2Seq", "PairSample", "build", "generate", "forward", "loss",
+__all__ = ["DotAttention", "KeyMaskAttention", "Seq2Seq", "PairSample", "build", "generate", "forward", "loss",
            "HandBatched", "STEPS", "BOS"]
 
 STEPS = 5
@@ -49,15 +51,31 @@ class MaskedDotAttention(HybridBlock):
         return F.reshape(F.batch_dot(F.expand_dims(weights, axis=1), keys), shape=(0, -1))
 
 
+class KeyMaskAttention(HybridBlock):
+    """:class:`DotAttention` written to batch well (README: per-sample code that
+    batches well): ``mask`` (B, S) is 1 for a key and 0 for padding, and a
+    masked key's score is pushed to -1e30 (its weight is exactly 0). Per
+    sample every key is real (``mask`` all ones: the scores are unchanged), so
+    it computes what DotAttention does; with ``keys`` and ``mask`` declared
+    zero-paddable along axis 1 (``jitbatch.zero_pad``), calls over sources of
+    different lengths share launches, padded keys weighing nothing."""
+
+    def hybrid_forward(self, F, query, keys, mask):  # pylint: disable=arguments-differ
+        scores = F.reshape(F.batch_dot(keys, F.expand_dims(query, axis=2)), shape=(0, -1))
+        weights = F.softmax(scores + (mask - 1) * 1e30, axis=1)
+        return F.reshape(F.batch_dot(F.expand_dims(weights, axis=1), keys), shape=(0, -1))
+
+
 class Seq2Seq(gluon.Block):
-    def __init__(self, vocab, embed, hidden, **kwargs):
+    def __init__(self, vocab, embed, hidden, masked=False, **kwargs):
         super(Seq2Seq, self).__init__(**kwargs)
+        self.masked = masked
         with self.name_scope():
             self.src_embed = nn.Embedding(vocab, embed)
             self.tgt_embed = nn.Embedding(vocab, embed)
             self.encoder = gluon.rnn.GRUCell(hidden, input_size=embed)
             self.decoder = gluon.rnn.GRUCell(hidden, input_size=embed)
-            self.attention = DotAttention()
+            self.attention = KeyMaskAttention() if masked else DotAttention()
             self.out = nn.HybridSequential()
             self.out.add(nn.Dense(hidden, in_units=2 * hidden, activation="tanh"),
                          nn.Dense(vocab, in_units=hidden))
@@ -70,11 +88,12 @@ class Seq2Seq(gluon.Block):
             h, state = self.encoder(emb[t:t + 1], state)
             enc.append(h)
         keys = nd.stack(*enc, axis=1)                        # (1, S, H)
+        extra = (nd.ones((1, len(src))),) if self.masked else ()  # every key real
         dec_in = self.tgt_embed(nd.array(tgt_in))            # (STEPS, E)
         logits = []
         for t in range(len(tgt_in)):
             h, state = self.decoder(dec_in[t:t + 1], state)
-            ctx = self.attention(h, keys)
+            ctx = self.attention(h, keys, *extra)
             logits.append(self.out(nd.concat(h, ctx, dim=1)))
         return nd.concat(*logits, dim=0)                     # (STEPS, V)
 
@@ -106,8 +125,13 @@ def generate(rng, n, vocab=100, min_len=3, max_len=20):
     return out
 
 
-def build(seed=0, vocab=100, embed=64, hidden=96):
-    return seeded(Seq2Seq(vocab, embed, hidden), seed)
+def build(seed=0, vocab=100, embed=64, hidden=96, masked=False):
+    """``masked``: the attention as :class:`KeyMaskAttention`, its keys and mask
+    declared zero-paddable along the source axis."""
+    net = seeded(Seq2Seq(vocab, embed, hidden, masked=masked), seed)
+    if masked:
+        jitbatch.zero_pad(net.attention, keys=1, mask=1)
+    return net
 
 
 def forward(net, sample):
