@@ -219,3 +219,25 @@ MODELS = {
     "gru": (seq_model, seq_samples, seq_apply),
     "dag": (dag_model, dag_samples, dag_apply),
 }
+
+
+# -- an RNN over a per-sample sequence with contrib.foreach (issue 19) -------------------
+class ScanRNN(HybridBlock):
+    """An RNN over the rows of a per-sample ``(T, width)`` sequence with
+    ``contrib.foreach``, its state starting at zero for each sample: the loop
+    scans axis 0, across merged samples, so its calls must run one per sample."""
+
+    def __init__(self, width, **kw):
+        super(ScanRNN, self).__init__(**kw)
+        self.width = width
+        with self.name_scope():
+            self.i2h = nn.Dense(width, in_units=width)
+            self.h2h = nn.Dense(width, in_units=width, use_bias=False)
+
+    def hybrid_forward(self, F, seq):
+        def step(x, states):
+            h = F.tanh(self.i2h(F.expand_dims(x, axis=0)) + self.h2h(states[0]))
+            return h, [h]
+        h0 = F.zeros_like(F.slice_axis(seq, axis=0, begin=0, end=1))
+        outs, _ = F.contrib.foreach(step, seq, [h0])
+        return F.reshape(outs, shape=(-1, self.width))

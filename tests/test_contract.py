@@ -28,6 +28,7 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
+from models import ScanRNN
 from oracle import FIX, check, cleanup, gc_left_enabled_after_abandoning
 
 pytestmark = pytest.mark.filterwarnings("ignore::jitbatch.ContractWarning")
@@ -167,30 +168,11 @@ def test_recursive_cell_centring_over_axis0(policy, granularity):
           % (policy, granularity))
 
 
-class ScanRNN(HybridBlock):
-    """An RNN over a per-sample (T, H) sequence with ``contrib.foreach``, its
-    state starting at zero for each sample."""
-
-    def __init__(self, **kw):
-        super(ScanRNN, self).__init__(**kw)
-        with self.name_scope():
-            self.i2h = nn.Dense(H, in_units=H)
-            self.h2h = nn.Dense(H, in_units=H, use_bias=False)
-
-    def hybrid_forward(self, F, seq):
-        def step(x, states):
-            h = F.tanh(self.i2h(F.expand_dims(x, axis=0)) + self.h2h(states[0]))
-            return h, [h]
-        h0 = F.zeros_like(F.slice_axis(seq, axis=0, begin=0, end=1))
-        outs, _ = F.contrib.foreach(step, seq, [h0])
-        return F.reshape(outs, shape=(-1, H))
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_foreach_rnn_over_a_per_sample_sequence(policy):
     """Merged, one ``foreach`` would run over all samples' rows and each sample
     would start from the previous sample's last state."""
-    net = _init(ScanRNN())
+    net = _init(ScanRNN(H))
     xs = _rows(4, 4, lengths=[3, 5, 2, 4])
     check(net, lambda net: [net(x) for x in xs], policy, culprit=r"scanrnn\d+|foreach",
           what="contrib.foreach RNN, policy=%s" % policy)

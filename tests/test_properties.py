@@ -40,6 +40,7 @@ from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
 from harness import assert_same, run
+from models import ScanRNN
 from oracle import cleanup, gc_left_enabled_after_abandoning, judge, run_program, snapshot
 
 EXAMPLES = int(os.environ.get("JITBATCH_PROPERTY_EXAMPLES",
@@ -234,24 +235,6 @@ class Norm(HybridBlock):
         return self.bn(x)
 
 
-class Scan(HybridBlock):
-    """An RNN over the rows of a per-sample (T, W) input, from a zero state."""
-
-    def __init__(self, **kw):
-        super(Scan, self).__init__(**kw)
-        with self.name_scope():
-            self.i2h = nn.Dense(W, in_units=W)
-            self.h2h = nn.Dense(W, in_units=W, use_bias=False)
-
-    def hybrid_forward(self, F, seq):
-        def step(x, states):
-            h = F.tanh(self.i2h(F.expand_dims(x, axis=0)) + self.h2h(states[0]))
-            return h, [h]
-        h0 = F.zeros_like(F.slice_axis(seq, axis=0, begin=0, end=1))
-        outs, _ = F.contrib.foreach(step, seq, [h0])
-        return F.reshape(outs, shape=(-1, W))
-
-
 class Normal(HybridBlock):
     def hybrid_forward(self, F, x):
         zero = F.zeros_like(F.sum(x, axis=1, keepdims=True))          # (1, 1) per sample
@@ -275,7 +258,7 @@ class ContractProgram(Program):
                 setattr(self, "axis0_" + op, Axis0(op))
             self.rows = nn.Dense(W, in_units=W, flatten=False)
             self.norm = Norm()
-            self.scan = Scan()
+            self.scan = ScanRNN(W)
             self.normal = Normal()
             self.drop = Drop()
         self.draws = []           # (kind, lazy array): random draws, checked apart
