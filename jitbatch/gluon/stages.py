@@ -20,10 +20,14 @@ does not batch along axis 0)."""
 import json
 
 import numpy as np
+from mxnet import autograd
+from mxnet import ndarray as nd
 from mxnet import symbol as _sym
+from mxnet.base import MXNetError
 from mxnet.gluon import SymbolBlock
 
 from ..graph import _sources
+from . import _mxapi
 from .executors import BlockExec
 from .lazy import new_lazy
 from .signatures import STAGE_IN, STAGE_MAIN, TABLE, derived_key, new_info
@@ -141,6 +145,35 @@ def _stage_block(sym, inputs, metas, block):
     return sb
 
 
+def _differentiable(sa, sb, a_in, b_in, ctx, mode):
+    """Whether MXNet runs the backward of the two stages chained, tried once on
+    zeros (gradients for the trial's inputs only: no parameter's gradient is
+    written). MXNet 1.9 fails the backward of some graphs that read another
+    recorded operator's output (``relu(FullyConnected(x)) + s``, ``s`` an input
+    stage's output: "storage_type_num_unknown_nodes", apache/mxnet#14228),
+    which the whole block's graph never does; such a block keeps one stage."""
+    def zeros(meta):
+        # any size where the signature has none: a ragged leading length, a
+        # zero-padded axis
+        shape = tuple((3 if k == 0 else 1) if d is None else d for k, d in enumerate(meta[0]))
+        z = _mxapi.zeros(shape, ctx, meta[1])
+        z.attach_grad()
+        return z
+    a_args = [zeros(m) for m in a_in]
+    b_args = [zeros(m) for m in b_in]
+    try:
+        with ctx, autograd.record(train_mode=mode[1]):
+            a_out = sa(*a_args)
+            a_out = list(a_out) if isinstance(a_out, (list, tuple)) else [a_out]
+            b_out = sb(*(b_args + a_out))
+            b_out = list(b_out) if isinstance(b_out, (list, tuple)) else [b_out]
+            head = nd.add_n(*[o.sum() for o in b_out]) if len(b_out) > 1 else b_out[0].sum()
+        autograd.grad(head, a_args + b_args)
+        return True
+    except MXNetError:
+        return False
+
+
 def plan_for(info, nodes):
     """The stage plan of block signature ``info`` (in a flush of ``nodes``),
     found on its first flush and kept on its executor; None if it has none
@@ -204,6 +237,8 @@ def _make_plan(info, nodes):
     b_in = tuple(ex.in_meta[i] for i in b_pos) + tuple((m[0], m[1]) for m in a_meta)
     sa = _stage_block(a_sym, a_inputs, a_in, block)
     sb = _stage_block(b_sym, b_inputs, b_in, block)
+    if ex.mode[0] and not _differentiable(sa, sb, a_in, b_in[:len(b_pos)], ex.ctx, ex.mode):
+        return None
     b_pad = {b_pos.index(i): axis for i, axis in pad.items() if i in b_pos} or None
     # the stages' blocks live as long as their signatures (nothing else holds them)
     a_ex = BlockExec(sa, [0] * len(a_in), a_in, a_meta, ex.ctx, ex.mode, weak=False)
