@@ -703,3 +703,41 @@ def test_strict_mode_raises_instead(monkeypatch):
     y = net(nd.ones((1, H)))                    # the next call runs normally
     net.hybridize(active=False)
     np.testing.assert_allclose(y.asnumpy(), net(nd.ones((1, H))).asnumpy(), rtol=1e-6)
+
+
+class _Positions(HybridBlock):
+    """Weights positions along ``axis`` by their index (``contrib.arange_like``)."""
+
+    def __init__(self, axis, **kw):
+        super(_Positions, self).__init__(**kw)
+        self.axis = axis
+        with self.name_scope():
+            self.d = nn.Dense(H, in_units=H, flatten=False)
+
+    def hybrid_forward(self, F, x):
+        y = self.d(x)
+        pos = F.contrib.arange_like(y, axis=self.axis)
+        return F.broadcast_mul(y, F.expand_dims(pos, axis=1 - self.axis))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_positions_along_a_sample_axis_merge_and_along_axis0_do_not(policy, recwarn):
+    # arange_like over a per-sample axis is the same range for every sample: the
+    # calls merge (one launch); over axis 0 it numbers the merged samples' rows,
+    # so those calls run one per sample
+    along = _init(_Positions(1))
+    check(along, lambda net: [net(x) for x in _rows(30, 5)], policy,
+          what="arange_like along axis 1, policy=%s" % policy)
+    if policy in ("depth", "agenda"):
+        along.hybridize(dynamic_batch=True, policy=policy)
+        jitbatch.reset_stats()
+        ys = [along(x) for x in _rows(30, 5)]
+        ys[-1].asnumpy()
+        assert jitbatch.stats()["launches"] == 1
+        along.hybridize(active=False)
+    across = _init(_Positions(0))
+    got = check(across, lambda net: [net(x) for x in _rows(31, 5, t=3)], policy,
+                culprit=r"_positions\d+|arange_like", what="arange_like along axis 0")
+    assert got.error is None
+    assert any("arange_like" in str(w.message) for w in recwarn.list
+               if issubclass(w.category, jitbatch.ContractWarning))

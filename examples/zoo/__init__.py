@@ -25,7 +25,7 @@ MODELS = {e.name: e for e in [
           "GRU encoder (3-20 tokens), 5-step GRU decoder with dot-product attention",
           tiny=_TINY, tiny_data=dict(vocab=20, max_len=6)),
     Entry("attention_masked", attention,
-          "the same, its attention block taking a key mask, keys declared zero-paddable "
+          "the same, its attention block taking the key count, keys declared zero-paddable "
           "(README: per-sample code that batches well)",
           options=dict(masked=True), tiny=_TINY, tiny_data=dict(vocab=20, max_len=6)),
     Entry("graph_net", graph_net,

@@ -53,16 +53,18 @@ class MaskedDotAttention(HybridBlock):
 
 class KeyMaskAttention(HybridBlock):
     """:class:`DotAttention` written to batch well (README: per-sample code that
-    batches well): ``mask`` (B, S) is 1 for a key and 0 for padding, and a
-    masked key's score is pushed to -1e30 (its weight is exactly 0). Per
-    sample every key is real (``mask`` all ones: the scores are unchanged), so
-    it computes what DotAttention does; with ``keys`` and ``mask`` declared
+    batches well): ``length`` (B, 1) is the number of real keys, and a key at a
+    position >= length has its score pushed to -1e30 (its weight is exactly
+    0). Per sample every key is real (``length`` = S: the scores are
+    unchanged), so it computes what DotAttention does; with ``keys`` declared
     zero-paddable along axis 1 (``jitbatch.zero_pad``), calls over sources of
     different lengths share launches, padded keys weighing nothing."""
 
-    def hybrid_forward(self, F, query, keys, mask):  # pylint: disable=arguments-differ
+    def hybrid_forward(self, F, query, keys, length):  # pylint: disable=arguments-differ
         scores = F.reshape(F.batch_dot(keys, F.expand_dims(query, axis=2)), shape=(0, -1))
-        weights = F.softmax(scores + (mask - 1) * 1e30, axis=1)
+        positions = F.expand_dims(F.contrib.arange_like(scores, axis=1), axis=0)   # (1, S)
+        real = F.broadcast_lesser(positions, length)                              # (B, S)
+        weights = F.softmax(scores + (real - 1) * 1e30, axis=1)
         return F.reshape(F.batch_dot(F.expand_dims(weights, axis=1), keys), shape=(0, -1))
 
 
@@ -88,7 +90,7 @@ class Seq2Seq(gluon.Block):
             h, state = self.encoder(emb[t:t + 1], state)
             enc.append(h)
         keys = nd.stack(*enc, axis=1)                        # (1, S, H)
-        extra = (nd.ones((1, len(src))),) if self.masked else ()  # every key real
+        extra = (nd.array([[len(src)]]),) if self.masked else ()   # every key real
         dec_in = self.tgt_embed(nd.array(tgt_in))            # (STEPS, E)
         logits = []
         for t in range(len(tgt_in)):
@@ -126,11 +128,11 @@ def generate(rng, n, vocab=100, min_len=3, max_len=20):
 
 
 def build(seed=0, vocab=100, embed=64, hidden=96, masked=False):
-    """``masked``: the attention as :class:`KeyMaskAttention`, its keys and mask
-    declared zero-paddable along the source axis."""
+    """``masked``: the attention as :class:`KeyMaskAttention`, its keys declared
+    zero-paddable along the source axis."""
     net = seeded(Seq2Seq(vocab, embed, hidden, masked=masked), seed)
     if masked:
-        jitbatch.zero_pad(net.attention, keys=1, mask=1)
+        jitbatch.zero_pad(net.attention, keys=1)
     return net
 
 

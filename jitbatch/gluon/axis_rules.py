@@ -405,13 +405,18 @@ def _one_hot(f, states):
     return states[0]
 
 
-@_register("arange_like")
 def _arange_like(f, states):
+    # with an axis: the positions 0..n-1 along it, a 1-D range that no sample's
+    # values change (the same for every sample unless n is the merged axis);
+    # without one: every element numbered, across merged samples
     axis = f.get("axis")
     a = states[0]
     if axis is None or _norm(axis, len(f.ins[0])) == a:
         raise Refuse("numbers the positions along the axis along which merged samples lie")
-    return a
+    return CONST
+
+
+RULES["arange_like"] = RULES["_contrib_arange_like"] = _arange_like
 
 
 @_register("LayerNorm")
