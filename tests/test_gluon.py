@@ -1039,6 +1039,52 @@ def test_training_minibatches_of_changing_sizes_equal_plain_gluon(policy):
     net.hybridize(active=False)
 
 
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_batch_dot_and_one_hot_between_blocks_merge(policy):
+    # operators users reach for between blocks: batch_dot of two per-sample
+    # (1, S, H) values and one_hot of per-sample ids each run as ONE launch for
+    # all samples (they had no rule: one launch per call); outputs and
+    # gradients are plain Gluon's
+    net = nn.Dense(8, in_units=3, flatten=False)
+    net.initialize(mx.init.Uniform(0.5))
+    rng = np.random.default_rng(4)
+    xs = [nd.array(rng.normal(size=(1, 4, 3))) for _ in range(5)]
+
+    def go(flag):
+        net.hybridize(dynamic_batch=True, policy=policy) if flag else \
+            net.hybridize(active=False)
+        net.collect_params().zero_grad()
+        with autograd.record():
+            ys = [net(x) for x in xs]                                  # (1, 4, 8)
+            zs = [nd.batch_dot(y[:, :, :4], y[:, :, 4:], transpose_b=True) for y in ys]
+            loss = nd.add_n(*[(z * z).sum() for z in zs])
+        loss.backward()
+        return [z.asnumpy() for z in zs], {"w": net.weight.grad().asnumpy().copy()}
+    ref = go(False)
+    got = go(True)
+    assert_same(ref, got)
+    net.hybridize(dynamic_batch=True, policy=policy)
+    first = net(xs[0])                       # something pending: the ids are recorded
+    jitbatch.reset_stats()
+    ys = [net(x) for x in xs]
+    zs = [nd.batch_dot(y, y, transpose_b=True) for y in ys]          # (1, 4, 4)
+    hots = [nd.one_hot(nd.array([i % 3, 2]), 3) for i in range(5)]    # (2, 3)
+    got_z = [z.asnumpy() for z in zs]
+    got_h = [h.asnumpy() for h in hots]
+    st = jitbatch.stats()
+    if policy != "auto":
+        # the dense block (with the first call), batch_dot, the ids, one_hot
+        assert st["launches"] == 4, st
+    net.hybridize(active=False)
+    for x, z in zip(xs, got_z):
+        y = net(x)
+        np.testing.assert_allclose(z, nd.batch_dot(y, y, transpose_b=True).asnumpy(),
+                                   rtol=1e-5, atol=1e-6)
+    for i, h in enumerate(got_h):
+        np.testing.assert_array_equal(h, np.eye(3)[[i % 3, 2]])
+    assert first.shape == (1, 4, 8)
+
+
 def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget_that_would(
         monkeypatch, recwarn):
     from jitbatch import cost, execute

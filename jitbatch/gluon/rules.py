@@ -179,6 +179,37 @@ def _slice(attrs, keys, vals, ins, outs):
     return ("stacked", k2, v2, ins)
 
 
+def _leading(attrs, keys, vals, ins, outs):
+    # every input and output keeps the same leading size, along which the
+    # operator acts independently (batch_dot: one product per leading index):
+    # the flat layout of N samples is the operator on N times as many
+    lead = ins[0][0] if ins[0] else None
+    if lead is None or any(not s or s[0] != lead for s in ins + outs):
+        return None
+    return ("elemwise", keys, vals, None)
+
+
+def leading(names):
+    """Operators independent along axis 0 whose inputs and outputs all keep
+    its size (``batch_dot``)."""
+    _register(names, _leading)
+
+
+def _expanding(attrs, keys, vals, ins, outs):
+    # one input, each element mapped to a block of the same trailing shape
+    # (one_hot): the output is the input's shape plus trailing axes
+    if len(ins) != 1 or len(outs) != 1 or tuple(outs[0][:len(ins[0])]) != tuple(ins[0]) \
+            or not ins[0]:
+        return None
+    return ("elemwise", keys, vals, None)
+
+
+def expanding(names):
+    """Operators mapping each input element to a fixed block of trailing axes
+    (``one_hot``): the flat layout is the same operator."""
+    _register(names, _expanding)
+
+
 def _dropout(attrs, keys, vals, ins, outs):
     # a mask drawn per element is drawn per sample; one shared along ``axes`` is not
     if attrs.get("axes"):
@@ -209,6 +240,8 @@ broadcast_lesser broadcast_lesser_equal broadcast_logical_and broadcast_logical_
 broadcast_logical_xor
 """)
 reshape("Reshape reshape expand_dims squeeze Flatten flatten")
+leading("batch_dot")
+expanding("one_hot")
 reduce("sum mean max min prod nansum nanprod norm sum_axis max_axis min_axis argmax argmin")
 for _name, _attr, _default, _rank in (
         ("softmax", "axis", -1, "in"), ("log_softmax", "axis", -1, "in"),
