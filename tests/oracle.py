@@ -129,6 +129,12 @@ def rel_error(ref, got):
     return float(diff / scale) if scale > 1e-6 else (float("inf") if diff > 0 else 0.0)
 
 
+#: BatchNorm running statistics after a training run, and how far (relative to
+#: their largest entry) their update order may move them (see differences)
+RUNNING = re.compile(r"^param .*running_(mean|var) after the run$")
+RUNNING_RTOL = 0.05
+
+
 def differences(ref, got, rtol=RTOL, atol=ATOL):
     """``(name, description, relative error)`` of each array of ``got`` that
     differs from ``ref``."""
@@ -139,8 +145,16 @@ def differences(ref, got, rtol=RTOL, atol=ATOL):
         return [("arrays", "plain gave %s, batched %s" % (names_ref, names_got), float("inf"))]
     for (name, a), (_, b) in zip(ref.arrays, got.arrays):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        # BatchNorm's running statistics: MXNet updates them during backward, in
+        # the order its autograd graph gives, which a merged graph can change;
+        # jitbatch's warning for such a block says so (docs/errors.rst). They
+        # must still agree to the updates' order (a merged BatchNorm, which the
+        # contract refuses, was off by 82%)
+        running = RUNNING.search(name) is not None
         if a64.shape != b64.shape:
             out.append((name, "shape %s, plain Gluon %s" % (b64.shape, a64.shape), float("inf")))
+        elif running and rel_error(a64, b64) <= RUNNING_RTOL:
+            continue
         elif not np.allclose(b64, a64, rtol=rtol, atol=atol, equal_nan=True):
             if not np.array_equal(np.isnan(a64), np.isnan(b64)):
                 out.append((name, "NaN at %d places, plain Gluon at %d"
