@@ -440,7 +440,7 @@ def _batch_norm(f, states):
                       "sample, its outputs and gradients are exact; MXNet updates the "
                       "running statistics during backward, in the order its graph gives, "
                       "so after a step they can differ from per-sample Gluon's by the order "
-                      "of the updates, about 1%)")
+                      "of the updates)")
     if _norm(f.get("axis", 1), len(f.ins[0])) == a:
         raise Refuse("normalises per channel along the axis along which merged samples lie")
     return a
