@@ -355,6 +355,10 @@ def _draws_are_per_sample(draws, train):
           ((1, [("batchnorm", [])], 0), 1)], True, False)
 @example([((2, [("dropout", [10]), ("batchnorm", []), ("broadcast", [10, 3]),
                 ("batchnorm", [])], 1456), 2)] * 2, True, True)
+# ... and an in-place write inside autograd.record refused with MXNet's other wording
+@example([((1, [("arith", [0, 0])], 0), 1),
+          ((1, [("axis0_centre", [0]), ("axis0_centre", [0]), ("axis0_centre", [0]),
+                ("write_concrete", [0]), ("add_n", [0, 0, 0])], 0), 1)], True, False)
 def test_generated_contract_programs_are_plain_gluon_or_a_clear_error(progs, train, abandon):
     """Issue 19's program classes, generated: per policy, plain Gluon's outputs,
     gradients and parameters after the run (BatchNorm's running statistics), or a
