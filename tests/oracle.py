@@ -139,20 +139,7 @@ def rel_error(ref, got):
 RUNNING = re.compile(r"^param .*running_(mean|var) after the run$")
 
 
-def reorder_bound(stats, n, momentum=0.9):
-    """How far an exponential moving average of ``n`` updates can move when the
-    same updates are applied in another order: ``(1 - momentum**n)`` times the
-    spread of the updates' values (``stats``: candidates for them, a row each;
-    the n weights are permuted). MXNet updates BatchNorm's running statistics
-    during backward, in the order its autograd graph gives, which a merged
-    graph can change (docs/errors.rst). 0 for one update."""
-    stats = np.asarray(stats, np.float64)
-    if n < 2:
-        return np.zeros(stats.shape[1:])
-    return (1.0 - momentum ** n) * (stats.max(axis=0) - stats.min(axis=0))
-
-
-def differences(ref, got, rtol=RTOL, atol=ATOL, running=None):
+def differences(ref, got, rtol=RTOL, atol=ATOL, running=True):
     """``(name, description, relative error)`` of each array of ``got`` that
     differs from ``ref``."""
     out = []
@@ -162,16 +149,17 @@ def differences(ref, got, rtol=RTOL, atol=ATOL, running=None):
         return [("arrays", "plain gave %s, batched %s" % (names_ref, names_got), float("inf"))]
     for (name, a), (_, b) in zip(ref.arrays, got.arrays):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        # BatchNorm's running statistics: the same updates as plain Gluon's, in
-        # an order MXNet's backward picks (``running``: name -> reorder_bound of
-        # the program's per-call statistics; None: exact). A merged BatchNorm,
-        # which the contract refuses, was off by 82%
-        bound = running.get(RUNNING.search(name).group(1)) \
-            if running is not None and RUNNING.search(name) else None
+        # ``running=False``: BatchNorm's running statistics after a training run
+        # are not compared. MXNet updates them during backward, for the calls
+        # its graph reaches, in the order it gives; a merged graph changes
+        # both (a call whose output never reaches the loss updates them too),
+        # which jitbatch's warning says (docs/errors.rst). Outputs and
+        # gradients stay exact, and tests/test_contract.py compares the
+        # statistics exactly where every call's output is used
+        if not running and RUNNING.search(name):
+            continue
         if a64.shape != b64.shape:
             out.append((name, "shape %s, plain Gluon %s" % (b64.shape, a64.shape), float("inf")))
-        elif bound is not None and np.all(np.abs(b64 - a64) <= bound + atol + rtol * np.abs(a64)):
-            continue
         elif not np.allclose(b64, a64, rtol=rtol, atol=atol, equal_nan=True):
             if not np.array_equal(np.isnan(a64), np.isnan(b64)):
                 out.append((name, "NaN at %d places, plain Gluon at %d"
@@ -200,10 +188,11 @@ def summary(ref, diffs):
     return "; ".join(parts)
 
 
-def judge(ref, got, culprit, what, mx_error=MX_INPLACE, running=None):
+def judge(ref, got, culprit, what, mx_error=MX_INPLACE, running=True):
     """The oracle. ``ref``/``got``: Outcomes of the plain and the batched run.
     ``culprit``: regex the message of a jitbatch error must match (the block's or
-    operator's name); ``running``: see ``differences``. Returns None when the
+    operator's name); ``running``: compare BatchNorm's running statistics (see
+    ``differences``). Returns None when the
     contract holds, else the failure text."""
     if ref.error is not None:
         # only MXNet's own refusal is an expected plain failure; anything else is a

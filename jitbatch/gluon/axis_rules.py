@@ -438,9 +438,9 @@ def _batch_norm(f, states):
         raise Refuse("in training mode normalises over the rows of every merged sample "
                       "and updates its running statistics once per launch (run one per "
                       "sample, its outputs and gradients are exact; MXNet updates the "
-                      "running statistics during backward, in the order its graph gives, "
-                      "so after a step they can differ from per-sample Gluon's by the order "
-                      "of the updates)")
+                      "running statistics during backward, for the calls its graph reaches "
+                      "and in the order it gives, so after a step they can differ from "
+                      "per-sample Gluon's)")
     if _norm(f.get("axis", 1), len(f.ins[0])) == a:
         raise Refuse("normalises per channel along the axis along which merged samples lie")
     return a
