@@ -374,7 +374,18 @@ def _write_into_read_lazy(xs):
     return program
 
 
+def _write_into_made_array(xs):
+    def program(net):
+        first = net(xs[0])              # pending: the arrays made next are recorded
+        c = nd.ones((1, H)) * 0.5
+        outs = [first, net(c)]          # a pending call reads c
+        c += xs[1]
+        return outs + [c * 1.0]
+    return program
+
+
 WRITES = {"reused_buffer": _reused_buffer, "state_plus_equals": _state_plus_equals,
+          "write_into_made_array": _write_into_made_array,
           "copyto": _copyto, "set_data_before_reading": _set_data_before_reading,
           "write_into_lazy_array": _write_into_lazy,
           "write_into_read_lazy_array": _write_into_read_lazy}

@@ -358,6 +358,9 @@ def _draws_are_per_sample(draws, train):
                 ("axis0_centre", [0])], 0), 1),
           ((1, [("batchnorm", []), ("add_n", [0, 0, 0]), ("arith", [0, 1]), ("arith", [0, 0]),
                 ("axis0_centre", [0])], 0), 1)], True, False)
+# ... an in-place write inside autograd.record into an array made while calls were
+# pending (nd.ones), which a recorded call reads: refused, as per sample
+@example([((1, [("one", [0]), ("write_concrete", [0])], 0), 1)], True, False)
 # ... and an in-place write inside autograd.record refused with MXNet's other wording
 @example([((1, [("arith", [0, 0])], 0), 1),
           ((1, [("axis0_centre", [0]), ("axis0_centre", [0]), ("axis0_centre", [0]),

@@ -83,7 +83,34 @@ def before_write(target):
     if not g.nodes or g.executing:
         return
     if type(target) is LazyArray or id(target) in g.reads or is_param(target):
+        read = _read_while_recording(target)
         execute.run_graph(g, reason="write")
+        if read and _mxapi.autograd_state()[0]:
+            raise BatchingError(
+                "Inplace operations (+=, -=, x[:]=, etc) are not supported when recording "
+                "with autograd: a call recorded under autograd.record reads this lazy "
+                "array, so per sample MXNet refuses the write (the call gave the array "
+                "autograd information); merged, the call read rows gathered from it, and "
+                "jitbatch refuses the write alike. Fix: write a new array (c = c + x) "
+                "instead of changing this one in place.")
+
+
+def _read_while_recording(target):
+    """Whether lazy ``target`` is read by a pending call recorded under
+    ``autograd.record`` (per sample, that call would have given it autograd
+    information, and MXNet would refuse an in-place write to it)."""
+    if type(target) is not LazyArray:
+        return False
+    node = target._node
+    if type(node) is not Node:
+        return False
+    n: Node = node
+    if n.batch is not None or not n.users:
+        return False
+    for u in n.users:
+        if u.mode[0]:
+            return True
+    return False
 
 
 def _note_reads(g, args):
