@@ -205,8 +205,7 @@ class Pipelines(object):
             stop, stop_cpu = p.end if p.end is not None else (now, cpu)
             p.end = None
             inside = p.ended - p.start if p.ended is not None and p.start is not None else None
-            if p.last and p.start is not None and inside is not None and \
-                    stop - p.ended <= PIPE_OUTSIDE * inside:
+            if p.last and inside is not None and stop - p.ended <= PIPE_OUTSIDE * inside:
                 ts = p.times.setdefault(p.chunks, [])
                 ts.append((stop - p.start) / p.last)
                 del ts[:-PIPE_KEEP]

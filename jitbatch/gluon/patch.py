@@ -210,8 +210,8 @@ def _call(self, *args):
             # Gluon RNN cell (GRUCell, LSTMCell, ...) goes through
             # RecurrentCell.forward first, which counts the step
             fwd = type(self).forward
-            rnn = fwd is _mxapi.recurrent_forward and len(args) == 2 and \
-                _recurrent_is_hybrid(type(self))
+            rnn = fwd is not _forward and fwd is _mxapi.recurrent_forward and \
+                len(args) == 2 and _recurrent_is_hybrid(type(self))
             if (fwd is _forward or rnn) and self._active and not _mxapi.np_array_mode():
                 res = record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access
                 if res is not None:

@@ -331,14 +331,14 @@ def _filled_values(fill, keys, vals):
     shape, ctx, dtype = args.get("shape"), args.get("ctx"), args.get("dtype")
     if isinstance(shape, int):
         shape = (shape,)
-    if not isinstance(shape, tuple) or not shape or not all(
-            isinstance(d, int) and d > 0 for d in shape) or type(ctx) is str:
+    if not isinstance(ctx, Context) or not isinstance(shape, tuple) or not shape or \
+            not all(isinstance(d, int) and d > 0 for d in shape):
         return False
     try:
         values = np.full(shape, fill, dtype=np.float32 if dtype is None else dtype)
     except (TypeError, ValueError):
         return False
-    if values.dtype.kind not in "biuf" or not isinstance(ctx, Context):
+    if values.dtype.kind not in "biuf":
         return False
     values.setflags(write=False)   # shared by every call with these arguments
     return values, ctx
