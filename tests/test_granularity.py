@@ -217,7 +217,7 @@ class _ReluResidual(gluon.HybridBlock):
         return F.relu(self.d(F.concat(x, y, z, dim=1))) + 0.1 * z
 
 
-@pytest.mark.parametrize("policy", ["agenda", "depth", "auto"])
+@pytest.mark.parametrize("policy", ["agenda", "depth", "auto", "sequential"])
 def test_a_split_mxnet_cannot_differentiate_keeps_one_stage(policy):
     # found by a 10,000-program property run: such a block's calls under
     # granularity 'split' in training ran into MXNet's backward error; the
