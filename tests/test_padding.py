@@ -233,26 +233,38 @@ def test_bad_padded_calls_are_explained(block, axis, ch, error):
 
 def test_an_unpriced_padded_signature_calibrates_until_priced(monkeypatch):
     # past the scheduled calibrating flushes (2nd, 3rd, 64th): only the padded
-    # signature's lack of a price makes a flush calibrate
+    # signature's lack of a price makes a flush calibrate. A calibrating flush
+    # times every launch of the signature: one when its calls merge, several
+    # when 'auto' runs a small flush sequentially (it may, on a loaded machine)
+    from jitbatch.execute import _PAD_TIMED
     monkeypatch.setattr(cost.MODEL, "flushes", 10)
     net = make_net()
     jitbatch.zero_pad(net.cell, ch=1)
     net.hybridize(dynamic_batch=True)
     rng = np.random.default_rng(5)
+
+    def timed():
+        infos = [i for i in jitbatch.gluon.signatures.TABLE._table.values()
+                 if getattr(getattr(i, "op", None), "block", None) is net.cell]
+        return infos[0].pad_fit[0] if infos and infos[0].pad_fit else 0
+
     seen = []
     for _ in range(14):
+        before = timed()
         ks = [int(k) for k in rng.integers(1, 6, size=int(rng.integers(2, 12)))]
         outs = [net(x, kids) for x, kids in samples(rng, ks)]
         jitbatch.flush()
-        lf = jitbatch.stats()["last_flush"]
-        seen.append(lf["calibrated"])
+        calibrated = jitbatch.stats()["last_flush"]["calibrated"]
+        seen.append(calibrated)
         assert outs[0].shape == (1, 4)
-    timed = next(i for i in jitbatch.gluon.signatures.TABLE._table.values()
-                 if getattr(getattr(i, "op", None), "block", None) is net.cell).pad_fit[0]
+        if calibrated:      # only while unpriced and timed fewer than _PAD_TIMED times
+            assert before < _PAD_TIMED and timed() > before
+        else:
+            assert timed() == before
     assert seen[0] is False                # its first flush pays first-call costs
     assert seen[1] is True                 # then it is timed ...
-    assert 4 <= timed <= 8 and sum(seen) == timed   # ... until priced, at most 8 launches
-    assert not any(seen[9:])
+    assert timed() >= 4                    # ... until priced (4 launches at least) or
+    assert not any(seen[1 + _PAD_TIMED:])  # _PAD_TIMED launches timed, a flush at least each
 
 
 def test_a_concrete_array_read_by_many_samples_is_one_gather_source(monkeypatch):
