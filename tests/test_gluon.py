@@ -651,9 +651,10 @@ def test_twin_arguments_reuse_the_planned_index_rows(monkeypatch, policy):
 
     def batched(twins):
         index, plans = [], []
-        make_index, gather_batch = gather._index_array, gather.gather_batch
-        monkeypatch.setattr(gather, "_index_array",
-                            lambda lst, ctx: index.append(len(lst)) or make_index(lst, ctx))
+        make_index, gather_batch = gather._mxapi.host_array, gather.gather_batch
+        monkeypatch.setattr(gather._mxapi, "host_array",     # the flush's index rows
+                            lambda data, ctx, dtype: index.append(len(data))
+                            or make_index(data, ctx, dtype))
         monkeypatch.setattr(gather, "gather_batch",      # the block launches' plans
                             lambda batch: (plans.append(batch[0].plan[0])
                                            if isinstance(batch[0].info.op, BlockExec) else None)

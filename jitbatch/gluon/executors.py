@@ -180,7 +180,7 @@ class ConstExec(object):
     (``nd.array`` while a graph was pending, ``record.record_const``): each
     node holds its values (a NumPy copy); ONE array of all of them is created
     per launch, and each node's array is its rows of it (one host-to-device
-    copy instead of a synchronised copy per call)."""
+    copy, asynchronous, instead of a synchronised copy per call)."""
     __slots__ = ("ctx", "dtype", "in_meta", "out_meta")
     pad = None
     stages = False
@@ -196,7 +196,7 @@ class ConstExec(object):
     def launch(self, batch):
         values = [node.inputs[0] for node in batch]
         data = values[0] if len(values) == 1 else np.concatenate(values, axis=0)
-        finish(batch, [_mxapi.nd_array(data, ctx=self.ctx, dtype=self.dtype)])
+        finish(batch, [_mxapi.host_array(data, self.ctx, self.dtype)])
 
 
 def infer_outputs(handle, metas, keys, vals, ctx):

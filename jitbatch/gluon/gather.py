@@ -469,7 +469,8 @@ def prepare(batches):
         first.plan = plans
         gathers += sum(p.kind != "id" for p in plans)
         planned.append(first)
-    arrays = {ctx: _index_array(lst, ctx) for ctx, lst in index.items() if lst}
+    arrays = {ctx: _mxapi.host_array(np.array(lst, dtype=np.int64), ctx, np.int64)
+              for ctx, lst in index.items() if lst}
     for first in planned:
         first.plan = (first.plan, arrays.get(first.info.op.ctx))
     STATS.add(gather_ops=gathers, filler_samples=fillers)
@@ -537,19 +538,6 @@ def _twins(a_values, b_values, kmap):
         elif k != kb:
             return False
     return True
-
-
-def _index_array(lst, ctx):
-    """The flush's index list as an int64 array on ``ctx``, without waiting.
-
-    ``nd.array`` copies synchronously: its copy waits behind every kernel MXNet
-    has queued (measured: 2.5 ms per flush of a training step, 40 ms behind a
-    busy queue), so Python stopped where it should run ahead of the kernels.
-    Instead the host array is wrapped without a copy (DLPack; the NDArray keeps
-    it alive and read-only) and, for another device, copied by an ordinary
-    asynchronous engine op."""
-    host = nd.from_numpy(np.array(lst, dtype=np.int64), zero_copy=True)
-    return host if ctx.device_type == "cpu" else host.copyto(ctx)
 
 
 def gather_batch(batch):

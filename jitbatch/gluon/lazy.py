@@ -124,6 +124,8 @@ class LazyArray(NDArray, Ref):
         g = node.graph
         if (g.retired or g.kept) and not g.executing and g.thread == _get_ident():
             g.release()   # a read: what flushes kept is freed while the kernels run
+            if _mxapi._HOSTS:  # pylint: disable=protected-access
+                _mxapi.release_hosts()
         return v
 
     def value(self):

@@ -321,6 +321,7 @@ def uninstall():
     if g.nodes:
         execute.run_graph(g, reason="uninstall")
     g.release()
+    _mxapi.release_hosts()
     g.kept_before = []
     while _patches:
         owner, name, orig = _patches.pop()
