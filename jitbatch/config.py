@@ -27,6 +27,14 @@ defer_gc = True
 #: (``jitbatch.gluon.rewrite``). Read when a ``dynamic_batch`` block is traced.
 fast_activations = True
 
+#: run the merged graphs' ``split``/``SliceChannel`` operators along an axis
+#: >= 1 (the gates of ``GRUCell``/``LSTMCell``, ``F.split(x, 3, axis=1)``) on
+#: a view of their input with that axis cut in two, which MXNet's CPU kernel
+#: copies in contiguous runs instead of element by element: the same outputs,
+#: bit for bit (``jitbatch.gluon.rewrite``). Read when a ``dynamic_batch``
+#: block is traced.
+fast_splits = True
+
 #: a merged launch of a block over more than ``2 * row_buckets`` samples runs
 #: on a sample count rounded up to one of ``row_buckets`` sizes per doubling
 #: (a power of two, others act as the power of two below them; 16: at most

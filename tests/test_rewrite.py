@@ -101,8 +101,8 @@ def test_rewrite_keeps_names_inputs_and_scope_attributes():
     x = sym.var("x")
     with __import__("mxnet").AttrScope(__group__="g1"):
         y = sym.tanh(sym.sigmoid(x, name="s"), name="t")
-    out, count = rewrite.fast_activations(y)
-    assert count == 2
+    out, counts = rewrite.rewrite(y)
+    assert counts["fast_activations"] == 2
     nodes = json.loads(out.tojson())["nodes"]
     byname = {n["name"]: n for n in nodes}
     assert byname["s"]["op"] == byname["t"]["op"] == "Activation"
@@ -113,5 +113,105 @@ def test_rewrite_keeps_names_inputs_and_scope_attributes():
     np.testing.assert_allclose(out.eval(x=v)[0].asnumpy(), np.tanh(1 / (1 + np.exp(-v.asnumpy()))),
                                rtol=1e-6)
     plain = sym.softsign(x)
-    same, none = rewrite.fast_activations(plain)
-    assert none == 0 and same is plain
+    same, none = rewrite.rewrite(plain)
+    assert not any(none.values()) and same is plain
+
+
+# -- fast splits ---------------------------------------------------------------------------
+class Splits(HybridBlock):
+    """Splits a user writes: along the last axis of a 2-D array (the naive gate
+    split), along a middle axis with axes after it, one already squeezing (left
+    alone), and Gluon's own GRU and LSTM cells (SliceChannel along axis 1)."""
+
+    def __init__(self, **kwargs):
+        super(Splits, self).__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(12, in_units=4)
+            self.gru = __import__("mxnet").gluon.rnn.GRUCell(4, input_size=4)
+            self.lstm = __import__("mxnet").gluon.rnn.LSTMCell(4, input_size=4)
+
+    def hybrid_forward(self, F, x, h):  # pylint: disable=arguments-differ
+        a, b, c = F.split(self.dense(x), num_outputs=3, axis=1)             # (1, 4) each
+        p, q = F.split(F.reshape(self.dense(x), (0, 4, 3)), num_outputs=2, axis=1)
+        s = F.split(F.reshape(self.dense(x), (0, 3, 4)), num_outputs=3, axis=1,
+                    squeeze_axis=True)                                       # left as is
+        g, _ = self.gru(F.tanh(a) * b, [h])
+        l, _ = self.lstm(c, [h, g])
+        pq = F.expand_dims(F.sum(p * F.sigmoid(q), axis=(1, 2)), axis=1)   # (1, 1)
+        return F.broadcast_add(l + s[0] * s[2], pq), g
+
+
+def split_ops(block):
+    """(squeeze_axis, whether its input is the rewrite's Reshape) per split."""
+    inputs, out = block._cached_graph  # pylint: disable=protected-access
+    nodes = json.loads(out.tojson())["nodes"]
+    return [(n.get("attrs", {}).get("squeeze_axis"),
+             nodes[n["inputs"][0][0]]["name"].endswith("_jbgroups"))
+            for n in nodes if n["op"] == "SliceChannel"]
+
+
+def split_apply(net, sample):
+    y, g = net(*sample)
+    return y, nd.sum(y * y) + nd.sum(g)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_split_rewrite_equals_plain(policy, train):
+    net = Splits()
+    net.initialize()
+    rng = np.random.default_rng(4)
+    xs = [(nd.array(rng.normal(size=(1, 4))), nd.array(rng.normal(size=(1, 4))))
+          for _ in range(6)]
+    ref = run(net, split_apply, xs, train, flag=False)
+    jitbatch.reset_stats()
+    got = run(net, split_apply, xs, train, flag=True, policy=policy)
+    assert_same(ref, got)
+    # the two unsqueezed splits of the block, the GRU cell's two, the LSTM cell's one
+    assert jitbatch.stats()["fast_splits"] == 5
+
+
+def test_which_splits_are_rewritten_and_config_off():
+    net = Splits()
+    net.initialize()
+    x = (nd.ones((1, 4)), nd.ones((1, 4)))
+    net.hybridize(dynamic_batch=True)
+    net(*x)[0].asnumpy()
+    ops = split_ops(net)
+    assert ops.count(("True", True)) == 5 and ops.count(("True", False)) == 1, ops
+    net.hybridize()                  # the ordinary way: MXNet's graph, untouched
+    net(*x)[0].asnumpy()
+    assert not any(r for _, r in split_ops(net))
+    jitbatch.config.fast_splits = False
+    try:
+        net.hybridize(dynamic_batch=True)
+        jitbatch.reset_stats()
+        net(*x)[0].asnumpy()
+        assert jitbatch.stats()["fast_splits"] == 0
+        assert not any(r for _, r in split_ops(net))
+    finally:
+        jitbatch.config.fast_splits = True
+        net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("shape,axis,parts", [((5, 12), 1, 3), ((5, 6, 4), 1, 2),
+                                              ((5, 3, 12), 2, 4), ((5, 12), 1, 12)])
+def test_rewritten_split_is_the_same_copy_forward_and_backward(shape, axis, parts):
+    x = sym.var("x")
+    y = sym.Group([o * (i + 1) for i, o in
+                   enumerate(sym.split(x, num_outputs=parts, axis=axis, name="cut"))])
+    fast, counts = rewrite.rewrite(y)
+    assert counts["fast_splits"] == 1
+    assert fast.list_arguments() == ["x"] and fast.list_outputs() == y.list_outputs()
+    v = nd.array(np.random.default_rng(0).normal(size=shape))
+    got = []
+    for s in (y, fast):
+        g = nd.zeros(shape)
+        ex = s.bind(__import__("mxnet").cpu(), {"x": v}, args_grad={"x": g})
+        outs = ex.forward(is_train=True)
+        ex.backward([nd.ones(o.shape) for o in outs])
+        got.append(([o.asnumpy() for o in outs], g.asnumpy()))
+    (o1, g1), (o2, g2) = got
+    for a, b in zip(o1, o2):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    assert np.array_equal(g1, g2)

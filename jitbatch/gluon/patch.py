@@ -268,10 +268,10 @@ def _get_graph(self, *args):
     block's graph, merged or per sample, runs the rewritten one)."""
     fresh = not self._cached_graph  # pylint: disable=protected-access
     res = _mxapi.get_graph(self, *args)
-    if fresh and self._jb_cfg is not None and _config.fast_activations:
-        count = rewrite.rewrite_traced(self)
-        if count:
-            STATS.add(fast_activations=count)
+    if fresh and self._jb_cfg is not None:
+        counts = rewrite.rewrite_traced(self)
+        if any(counts.values()):
+            STATS.add(**counts)
             res = self._cached_graph  # pylint: disable=protected-access
     return res
 

@@ -1,4 +1,4 @@
-"""Graph rewrites applied to the traced graph of a ``dynamic_batch`` block.
+"""Graph rewrites applied to the traced graph of a ``dynamic_batch`` block: kernel choice.
 
 jitbatch owns the graph it launches, so it may choose, for each operator the
 user wrote, the fastest MXNet kernel that computes the same function.
@@ -12,19 +12,33 @@ same name and inputs; the values differ from MXNet's loops by float rounding
 only (a few ulp), NaN included. ``relu`` is not rewritten: ``Activation``'s
 relu (oneDNN) turns NaN into 0 where MXNet's ``relu`` keeps it, which would
 hide a diverging model. ``jitbatch.config.fast_activations = False`` turns
-the rewrite off."""
+the rewrite off.
+
+``fast_splits``: ``split``/``SliceChannel`` along axis ``a`` (the gates of
+Gluon's ``GRUCell`` and ``LSTMCell``, ``F.split(x, 3, axis=1)`` in user cells)
+copies element by element when the axes after ``a`` are few or small: MXNet's
+CPU kernel views its input as (before, size, after) and ``after`` is 1 for a
+split along the last axis. Splitting the same memory viewed with the axis cut
+in two, (before, k, size / k * after), along the new ``k`` axis with that axis
+squeezed moves the same elements in contiguous runs: the outputs are the same
+arrays (copies, bit for bit), forward and backward. The rewrite inserts the
+``Reshape`` (a view, run in place) in front of each such split.
+``jitbatch.config.fast_splits = False`` turns it off."""
 import json
 
 from mxnet import symbol as _sym
 
+from .. import config as _config
+
 #: MXNet operator -> Activation act_type computing the same function
 ACTIVATIONS = {"sigmoid": "sigmoid", "tanh": "tanh"}
+#: names of MXNet's split operator in a graph (``split`` is an alias)
+SPLITS = ("SliceChannel", "split")
 
 
-def fast_activations(out):
-    """``(symbol, count)``: ``out`` with every operator of :data:`ACTIVATIONS`
-    run as ``Activation`` (``count`` of them); ``out`` itself when none is."""
-    graph = json.loads(out.tojson())
+def fast_activations(graph):
+    """Every operator of :data:`ACTIVATIONS` in the parsed ``graph`` (MXNet's
+    JSON) made an ``Activation`` node, in place; returns how many."""
     count = 0
     for node in graph["nodes"]:
         act = ACTIVATIONS.get(node["op"])
@@ -35,17 +49,65 @@ def fast_activations(out):
         node["op"] = "Activation"
         node["attrs"] = attrs
         count += 1
-    if not count:
-        return out, 0
-    return _sym.load_json(json.dumps(graph)), count
+    return count
+
+
+def _true(value):
+    return str(value).lower() in ("1", "true")
+
+
+def fast_splits(graph):
+    """A ``Reshape`` inserted in front of every split along an axis >= 1 of the
+    parsed ``graph``, in place, the split made to squeeze (see the module
+    docstring); returns how many. Node ids change: every reference is
+    renumbered."""
+    nodes = graph["nodes"]
+    out, where = [], {}     # the new node list; old node id -> new node id
+    count = 0
+    for i, node in enumerate(nodes):
+        node["inputs"] = [[where[e[0]]] + list(e[1:]) for e in node["inputs"]]
+        attrs = node.get("attrs") or {}
+        if node["op"] in SPLITS and len(node["inputs"]) == 1 and \
+                not _true(attrs.get("squeeze_axis", "0")) and \
+                int(attrs.get("axis", 1)) >= 1 and int(attrs["num_outputs"]) > 1:
+            axis, parts = int(attrs.get("axis", 1)), int(attrs["num_outputs"])
+            # -4 cuts the axis in (parts, rest); 0 and -2 keep the other axes
+            out.append({"op": "Reshape", "name": node["name"] + "_jbgroups",
+                        "attrs": {"shape": str((0,) * axis + (-4, parts, -1, -2))},
+                        "inputs": [node["inputs"][0]]})
+            node["inputs"] = [[len(out) - 1, 0, 0]]
+            node["attrs"] = dict(attrs, squeeze_axis="True")
+            count += 1
+        where[i] = len(out)
+        out.append(node)
+    if count:
+        graph["nodes"] = out
+        graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
+        graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
+        graph.pop("node_row_ptr", None)   # derived: MXNet recomputes it
+    return count
+
+
+def rewrite(out):
+    """``(symbol, counts)``: ``out`` with the rewrites ``config`` turns on
+    applied; ``counts`` maps each rewrite's name to how many operators it
+    changed; ``out`` itself where nothing changed."""
+    graph = json.loads(out.tojson())
+    counts = {}
+    if _config.fast_activations:
+        counts["fast_activations"] = fast_activations(graph)
+    if _config.fast_splits:
+        counts["fast_splits"] = fast_splits(graph)
+    if not any(counts.values()):
+        return out, counts
+    return _sym.load_json(json.dumps(graph)), counts
 
 
 def rewrite_traced(block):
-    """Apply :func:`fast_activations` to ``block``'s traced graph
-    (``_cached_graph``, set by MXNet's ``_get_graph``) in place; returns how
-    many operators it swapped."""
+    """Apply :func:`rewrite` to ``block``'s traced graph (``_cached_graph``,
+    set by MXNet's ``_get_graph``) in place; returns the counts."""
     inputs, out = block._cached_graph  # pylint: disable=protected-access
-    out, count = fast_activations(out)
-    if count:
+    out, counts = rewrite(out)
+    if any(counts.values()):
         block._cached_graph = (inputs, out)  # pylint: disable=protected-access
-    return count
+    return counts
