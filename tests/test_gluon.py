@@ -352,7 +352,7 @@ def test_argument_structure_change_is_explained():
     jitbatch.flush()
 
 
-def test_failure_in_merged_execution_names_site_and_recovers():
+def test_failure_in_merged_execution_names_site_and_recovers(monkeypatch):
     net = nn.Dense(2, in_units=2)
     net.initialize()
     before = net.weight.data().asnumpy().copy()
@@ -363,6 +363,8 @@ def test_failure_in_merged_execution_names_site_and_recovers():
     def boom(*a):
         raise RuntimeError("kernel exploded")
     net._call_cached_op = boom
+    # launches that do not record run a static CachedOp of the block's graph
+    monkeypatch.setattr(jitbatch.gluon._mxapi.CachedOp, "__call__", boom)
     xs = [nd.ones((1, 2)) * i for i in range(3)]
     ys = [net(x) for x in xs]   # this line is the call site
     with pytest.raises(jitbatch.ExecutionError,
@@ -372,6 +374,7 @@ def test_failure_in_merged_execution_names_site_and_recovers():
     with pytest.raises(jitbatch.StaleValueError, match=r"graph that failed \(while recording or executing\): RuntimeError: kernel exploded"):
         ys[1].asnumpy()
     del net._call_cached_op
+    monkeypatch.undo()
     assert jitbatch.current_graph().nodes == []
     assert np.array_equal(net.weight.data().asnumpy(), before)
     again = net(nd.ones((1, 2)))
@@ -1037,6 +1040,48 @@ def test_training_minibatches_of_changing_sizes_equal_plain_gluon(policy):
         for k in w:
             np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-6,
                                        err_msg="step %d, %s" % (step, k))
+    net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
+def test_inference_between_training_steps_equals_plain_gluon(policy):
+    # inference launches run a static CachedOp per launch shape (its memory
+    # planned once, its intermediate buffers reused): minibatches of changing
+    # and repeated sizes, between training steps that update the parameters in
+    # place and one that replaces them, give plain Gluon's predictions
+    from examples.tree_lstm.model import Similarity
+    mx.random.seed(1)
+    net = Similarity(6, 5, 8)
+    net.initialize(mx.init.Xavier())
+    rng = np.random.default_rng(2)
+    xs = [(nd.array(rng.normal(size=(1, 8))), nd.array(rng.normal(size=(1, 8))))
+          for _ in range(6)]
+    target = nd.array(rng.dirichlet(np.ones(5), size=1))
+    start = {k: p.data().copy() for k, p in net.collect_params().items()}
+    loss_fn = gluon.loss.KLDivLoss(from_logits=True)
+
+    def run(flag):
+        for k, p in net.collect_params().items():
+            p.set_data(start[k])
+        if flag:
+            net.hybridize(dynamic_batch=True, policy=policy)
+        else:
+            net.hybridize(active=False)
+        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5})
+        preds = []
+        for step, n in enumerate((6, 3, 6, 1, 3, 6)):
+            preds.append(nd.concat(*[net(a, b) for a, b in xs[:n]], dim=0).asnumpy())
+            if step == 3:       # new parameter arrays: a static op planned for the
+                for p in net.collect_params().values():   # old ones plans again
+                    p.initialize(mx.init.Constant(0.01), force_reinit=True)
+            with autograd.record():
+                total = nd.add_n(*[loss_fn(net(a, b), target) for a, b in xs[:n]])
+            total.backward()
+            trainer.step(n)
+        return preds
+    want, got = run(False), run(True)
+    for step, (w, g) in enumerate(zip(want, got)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg="step %d" % step)
     net.hybridize(active=False)
 
 

@@ -52,7 +52,7 @@ class BlockExec(object):
     bounded tables, which must not keep users' models alive (the graph holds
     the blocks of its pending calls: ``record``)."""
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages", "merges")
+                 "stages", "merges", "_static", "_static_of")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
 
@@ -68,6 +68,8 @@ class BlockExec(object):
         self.checked = False
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
         self.stages = None  # its input-stage plan: None until looked for, False: none
+        self._static = None     # input shapes -> a static CachedOp (launches not recording)
+        self._static_of = None  # the block's own CachedOp those were made beside
 
     @property
     def block(self):
@@ -79,12 +81,20 @@ class BlockExec(object):
             self._each(batch)
             return
         n = batch[0].group.size     # with filler samples (config.row_buckets)
+        block = self.block
         with self.ctx, _mxapi.mode_scope(self.mode):
-            it = iter(gather.gather_batch(batch))
-            flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
-            args = _regroup(flat, self.fmt)
-            out = self.block._call_cached_op(*args)  # pylint: disable=protected-access
-            outs, _ = _flatten(out, "output")
+            ins = gather.gather_batch(batch)
+            op = None if self.mode[0] or block._cached_op is None or block._callback else \
+                self._static_op(block, ins)  # pylint: disable=protected-access
+            if op is None:
+                it = iter(ins)
+                flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
+                out = block._call_cached_op(*_regroup(flat, self.fmt))  # pylint: disable=protected-access
+                outs, _ = _flatten(out, "output")
+            else:
+                out = op(*[ins[i] if is_arg else i.data()     # i: an index or a Parameter
+                            for is_arg, i in block._cached_op_args])  # pylint: disable=protected-access
+                outs = out if isinstance(out, list) else [out]
         if not self.checked:
             watch_params(self.block)     # initialized by now, if deferred before
             for o, m in zip(outs, self.out_meta):
@@ -97,6 +107,32 @@ class BlockExec(object):
             self.checked = True
         finish(batch, outs)
 
+    def _static_op(self, block, ins):
+        """A CachedOp of ``block``'s graph with MXNet's static memory planning
+        for launches with these input shapes that do not record (inference):
+        MXNet's dynamic CachedOp infers shapes and plans memory on every call
+        (about half of a small block's issue time); a static one does both once
+        per input shapes, reuses its intermediate buffers (the engine orders
+        the launches that share them) and returns outputs of their own. One
+        per launch shape, made beside the block's own CachedOp and dropped
+        with it. Recording launches keep the dynamic CachedOp: autograd holds
+        their states (and a static state reused under autograd gave wrong
+        gradients: docs/design.rst, Known limits)."""
+        base = block._cached_op  # pylint: disable=protected-access
+        if self._static_of is not base:
+            self._static, self._static_of = {}, base
+        key = tuple([_mxapi.concrete_shape(x) for x in ins])
+        op = self._static.get(key)
+        if op is None:
+            if len(self._static) >= _STATIC_SHAPES:
+                self._static.clear()
+            args = block._cached_op_args  # pylint: disable=protected-access
+            flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
+                     ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
+                     ("static_alloc", True), ("static_shape", True)] + \
+                [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
+            op = self._static[key] = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
+        return op
 
     def _each(self, batch):
         """One call of the block's CachedOp per node, on the node's own inputs."""
@@ -107,6 +143,11 @@ class BlockExec(object):
                 args = _regroup([None if f == -1 else next(it) for f in leaves], self.fmt)
                 outs, _ = _flatten(self.block._call_cached_op(*args), "output")  # pylint: disable=protected-access
                 finish([node], outs)
+
+
+#: launch shapes per block signature that keep a static CachedOp (each holds its
+#: intermediate buffers; launch sizes are rounded, config.row_buckets, so few recur)
+_STATIC_SHAPES = 64
 
 
 def _format_leaves(fmt):
