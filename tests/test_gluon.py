@@ -1045,10 +1045,11 @@ def test_training_minibatches_of_changing_sizes_equal_plain_gluon(policy):
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
 def test_inference_between_training_steps_equals_plain_gluon(policy):
-    # inference launches run a static CachedOp per launch shape (its memory
-    # planned once, its intermediate buffers reused): minibatches of changing
-    # and repeated sizes, between training steps that update the parameters in
-    # place and one that replaces them, give plain Gluon's predictions
+    # inference launches run a static CachedOp per launch shape that recurs
+    # (its memory planned once, its intermediate buffers reused): minibatches
+    # of changing and repeated sizes, between training steps that update the
+    # parameters in place and one that replaces them, give plain Gluon's
+    # predictions
     from examples.tree_lstm.model import Similarity
     mx.random.seed(1)
     net = Similarity(6, 5, 8)
@@ -1069,9 +1070,9 @@ def test_inference_between_training_steps_equals_plain_gluon(policy):
             net.hybridize(active=False)
         trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5})
         preds = []
-        for step, n in enumerate((6, 3, 6, 1, 3, 6)):
+        for step, n in enumerate((6, 3, 6, 6, 1, 3, 6, 6, 3)):
             preds.append(nd.concat(*[net(a, b) for a, b in xs[:n]], dim=0).asnumpy())
-            if step == 3:       # new parameter arrays: a static op planned for the
+            if step == 4:       # new parameter arrays: a static op planned for the
                 for p in net.collect_params().values():   # old ones plans again
                     p.initialize(mx.init.Constant(0.01), force_reinit=True)
             with autograd.record():

@@ -114,18 +114,22 @@ class BlockExec(object):
         (about half of a small block's issue time); a static one does both once
         per input shapes, reuses its intermediate buffers (the engine orders
         the launches that share them) and returns outputs of their own. One
-        per launch shape, made beside the block's own CachedOp and dropped
-        with it. Recording launches keep the dynamic CachedOp: autograd holds
-        their states (and a static state reused under autograd gave wrong
-        gradients: docs/design.rst, Known limits)."""
+        per launch shape that recurs (None for its first ``_STATIC_AFTER``
+        launches: the dynamic CachedOp runs them), made beside the block's own
+        CachedOp and dropped with it. Recording launches keep the dynamic
+        CachedOp: autograd holds their states (and a static state reused under
+        autograd gave wrong gradients: docs/design.rst, Known limits)."""
         base = block._cached_op  # pylint: disable=protected-access
         if self._static_of is not base:
             self._static, self._static_of = {}, base
         key = tuple([_mxapi.concrete_shape(x) for x in ins])
-        op = self._static.get(key)
-        if op is None:
-            if len(self._static) >= _STATIC_SHAPES:
-                self._static.clear()
+        op = self._static.get(key, 0)
+        if type(op) is int:
+            if op < _STATIC_AFTER:      # a shape seen once may not recur
+                if len(self._static) >= _STATIC_SHAPES:
+                    self._static.clear()
+                self._static[key] = op + 1
+                return None
             args = block._cached_op_args  # pylint: disable=protected-access
             flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
                      ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
@@ -148,6 +152,9 @@ class BlockExec(object):
 #: launch shapes per block signature that keep a static CachedOp (each holds its
 #: intermediate buffers; launch sizes are rounded, config.row_buckets, so few recur)
 _STATIC_SHAPES = 64
+#: launches of a shape that run the dynamic CachedOp before a static one is made:
+#: making one and its first call cost about four calls of the dynamic one
+_STATIC_AFTER = 2
 
 
 def _format_leaves(fmt):
