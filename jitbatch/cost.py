@@ -237,11 +237,18 @@ class Model(object):
             why = "cheapest predicted within analysis budget %g" % budget
         else:
             why = "cheapest predicted (analysis + execution)"
-        # a merging policy's estimates change only when it runs: one not run for
+        # a merging policy's estimates change only when it runs: one never run
+        # runs once early (from the second choice: the first flush pays
+        # first-call costs), so a prior cannot exclude it, and one not run for
         # REPROBE flushes runs once, so one slow flush cannot exclude it for good
         self.choices += 1
         for p in ("agenda", "depth"):
-            if p != best and p in allowed and self.choices - self.ran.get(p, 0) > REPROBE:
+            if p == best or p not in allowed:
+                continue
+            if p not in self.ran and self.choices >= 2:
+                best, why = p, "measured for the first time"
+                break
+            if self.choices - self.ran.get(p, 0) > REPROBE:
                 best, why = p, "measured again (not run for %d flushes)" % REPROBE
                 break
         self.ran[best] = self.choices

@@ -187,6 +187,26 @@ def test_launch_cost_is_a_line_in_rows():
     assert abs(m.launch_cost(info, 1) - 1.1e-3) < 1e-9
 
 
+def test_a_policy_never_run_is_measured_at_the_second_choice():
+    """A prior alone must not keep a merging policy from ever running (the
+    agenda's prior analysis, 8 us per node, kept 'auto' on depth grouping for
+    a whole zoo run where the agenda measured 1.4 us per node and a third of
+    the launches): the first choice pays first-call costs, the second runs
+    a policy never run, and then the measurements decide."""
+    nodes = list(_tree_graph(4, 3, SignatureTable()).nodes)
+    m = cost.Model()
+    m.analysis["agenda"] = 1.0                       # a hopeless prior
+    assert m.choose(nodes, None)[:2] == ("depth", "cheapest predicted (analysis + execution)")
+    assert m.choose(nodes, None)[:2] == ("agenda", "measured for the first time")
+    m.observe("agenda", len(nodes), 1e-6 * len(nodes), 3, 0.01, 3)
+    m.observe("depth", len(nodes), 5e-6 * len(nodes), 3, 0.01, 3)
+    assert m.choose(nodes, None)[:2] == ("agenda", "cheapest predicted (analysis + execution)")
+    slow = cost.Model()
+    slow.analysis["agenda"] = 1.0
+    assert slow.choose(nodes, 1e-9)[0] == "sequential"    # not allowed: never forced
+    assert slow.choose(nodes, 1e-9)[0] == "sequential"
+
+
 def test_a_policy_not_chosen_for_a_while_is_measured_again():
     """Estimates move only when a policy runs: one slow flush of the agenda
     must not keep 'auto' on depth for good. The prediction takes the median of
