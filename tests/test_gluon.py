@@ -1087,6 +1087,49 @@ def test_inference_between_training_steps_equals_plain_gluon(policy):
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
+def test_losses_pick_where_and_topk_between_blocks_merge(policy):
+    # a per-sample classification loss (Gluon's SoftmaxCrossEntropyLoss picks
+    # each sample's label column), a where and a topk on per-sample outputs:
+    # each ONE launch for all samples (pick had no rule: one launch per sample,
+    # 32 of a zoo model's 80 per training step); plain Gluon's values and
+    # gradients
+    net = nn.Dense(6, in_units=3)
+    net.initialize(mx.init.Uniform(0.5))
+    rng = np.random.default_rng(7)
+    xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(5)]
+    labels = [nd.array([k % 6]) for k in range(5)]
+    ce = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def go(flag):
+        net.hybridize(dynamic_batch=True, policy=policy) if flag else \
+            net.hybridize(active=False)
+        net.collect_params().zero_grad()
+        with autograd.record():
+            ys = [net(x) for x in xs]
+            losses = [ce(y, t) for y, t in zip(ys, labels)]
+            ws = [nd.where(y > 0, y, y * 0.1) for y in ys]
+            tops = [nd.topk(y, k=2, ret_typ="value") for y in ys]
+            total = nd.add_n(*[l.sum() + w.sum() + (t * t).sum()
+                               for l, w, t in zip(losses, ws, tops)])
+        total.backward()
+        return ([l.asnumpy() for l in losses] + [w.asnumpy() for w in ws] +
+                [t.asnumpy() for t in tops], {"w": net.weight.grad().asnumpy().copy(),
+                                              "b": net.bias.grad().asnumpy().copy()})
+    ref = go(False)
+    jitbatch.reset_stats()
+    got = go(True)
+    assert_same(ref, got)
+    st = jitbatch.stats()
+    if policy in ("depth", "agenda"):
+        # one launch per operator signature: the dense block; the loss's
+        # log_softmax, pick, negation and mean; the comparison, the scaling and
+        # where; topk; the square; three sums of three shapes, the two + (at two
+        # depths) and the final add_n. Per sample: 76
+        assert st["nodes"] == 76 and st["launches"] == 16, st
+    net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
 def test_batch_dot_and_one_hot_between_blocks_merge(policy):
     # operators users reach for between blocks: batch_dot of two per-sample
     # (1, S, H) values and one_hot of per-sample ids each run as ONE launch for

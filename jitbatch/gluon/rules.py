@@ -230,7 +230,7 @@ _rpower_scalar _maximum_scalar _minimum_scalar _hypot_scalar _mod_scalar _rmod_s
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
 _lesser_equal_scalar _logical_and_scalar _logical_or_scalar _logical_xor_scalar logical_not
 add_n ElementWiseSum _equal _not_equal _greater _greater_equal _lesser _lesser_equal
-smooth_l1 hard_sigmoid softrelu log_sigmoid mish
+smooth_l1 hard_sigmoid softrelu log_sigmoid mish where
 """)
 broadcast("""
 broadcast_add broadcast_sub broadcast_mul broadcast_div broadcast_plus broadcast_minus
@@ -249,7 +249,7 @@ for _name, _attr, _default, _rank in (
         ("split", "axis", 1, "in"), ("flip", "axis", None, "in"),
         ("reverse", "axis", None, "in"), ("sort", "axis", -1, "in"),
         ("argsort", "axis", -1, "in"), ("concat", "dim", 1, "in"), ("Concat", "dim", 1, "in"),
-        ("stack", "axis", 0, "out")):
+        ("stack", "axis", 0, "out"), ("pick", "axis", -1, "in"), ("topk", "axis", -1, "in")):
     one_axis(_name, _attr, _default, _rank)
 RULES["transpose"] = _transpose
 RULES["slice"] = _slice
