@@ -6,8 +6,8 @@ scripts/make_sick_like.py --full when missing). Two workloads:
 * training: minibatches of --train-size pairs (25), forward + one backward of
   the summed KL loss + Adagrad update (lr 0.02, wd 1e-4);
 * the word embedding (2,810 x 300: 75% of the parameters) is trained as
-  --embed-update says, in every mode (they share the model's blocks) and on
-  the DyNet side alike; every table names the choice:
+  --embed-update says, in every mode and on the DyNet side alike; every table
+  names the choice:
     frozen  not trained (the default: Tai et al. keep the word vectors fixed
             for relatedness); MXNet: grad_req 'null'; DyNet: lookups with
             update=False
@@ -20,7 +20,9 @@ scripts/make_sick_like.py --full when missing). Two workloads:
 * inference: minibatches of --infer-size pairs (256), forward only, every
   prediction (expected score) read back to numpy.
 
-Modes (all on ONE model, so the same parameters):
+Modes (each on its own copy of ONE model, built from the same seed: the same
+initial parameters; each copy configured once, hybridized or flagged, and
+trained by its own trainer, so switching modes rebuilds no mode's caches):
   plain       per-sample Gluon, not hybridized
   hybrid      per-sample Gluon, hybridized blocks
   fold        Fold-style batching (examples/tree_lstm/fold_batched.py): the technique of
@@ -230,32 +232,54 @@ def imports():
 
 
 class Modes(object):
-    """The bench_core model (one set of parameters) plus hand batching and inference."""
+    """Every mode on its own copy of the bench_core model, built from the same
+    seed (the same initial parameters; the embedding's treatment, grad_req,
+    sparse_grad and wd_mult, the same in all), with its own trainer, and
+    configured once (hybridized, flagged, zero_pad declared), as a user's
+    process configures its model: switching modes re-hybridizes nothing, so
+    no mode rebuilds its caches (MXNet's CachedOps, jitbatch's signatures and
+    per-shape launch state) every round. The hand-written and Fold-style modes
+    run on a hybridized copy's blocks."""
 
-    def __init__(self, bench_core, vocab_size, seed, embed_update="frozen"):
+    def __init__(self, bench_core, vocab_size, seed, names, embed_update="frozen"):
+        import jitbatch
         from mxnet import autograd, nd
         from examples.tree_lstm.fold_batched import FoldBatched
         from examples.tree_lstm.hand_batched import HandBatched
         from examples.tree_lstm.model import expected_score
         self.nd, self.autograd, self.expected_score = nd, autograd, expected_score
-        # every mode runs on this one model's blocks, so the embedding's
-        # treatment (grad_req, sparse_grad, wd_mult) holds in all of them
-        self.run = bench_core.Runner(vocab_size, seed=seed, embed_update=embed_update)
-        self.net = self.run.net
-        hand = HandBatched(self.net, hybridize=False)
-        self.act_blocks = (hand.embed, hand.cell, hand.leaf, hand.similarity)
-        self.batched = {"hand": hand, "hand:act": hand,
-                        "fold": FoldBatched(self.net)}
-        self.current = None
+        self.jitbatch = jitbatch
+        self.runs, self.batched = {}, {}
+        for name in names:
+            if name == "dynet":
+                continue
+            run = self.runs[name] = bench_core.Runner(vocab_size, seed=seed,
+                                                      embed_update=embed_update)
+            self._config(name)      # read when a dynamic_batch block is traced
+            if name in ("hand", "hand:act", "fold"):
+                run.mode("hybrid")
+                if name == "fold":
+                    self.batched[name] = FoldBatched(run.net)
+                    continue
+                hand = self.batched[name] = HandBatched(run.net, hybridize=False)
+                if name == "hand:act":
+                    for block in (hand.embed, hand.cell, hand.leaf, hand.similarity):
+                        block._get_graph = self._rewriting(block)  # pylint: disable=protected-access
+            else:
+                run.mode(name)
+        self.current = self.run = self.net = None
+
+    def _config(self, name):
+        """jitbatch's process-wide settings a mode asks for (bench_core.Runner.mode)."""
+        parts = name.split(":")
+        self.jitbatch.config.pipeline = "nopipe" not in parts[2:]
+        self.jitbatch.config.fast_activations = "noact" not in parts[2:]
 
     def mode(self, name):
         self.current = name
-        for block in self.act_blocks:   # hand:act's wrappers off (hybridize clears graphs)
-            block.__dict__.pop("_get_graph", None)
-        self.run.mode("hybrid" if name in self.batched else name)
-        if name == "hand:act":
-            for block in self.act_blocks:
-                block._get_graph = self._rewriting(block)  # pylint: disable=protected-access
+        self.run = self.runs[name]
+        self.net = self.run.net
+        self._config(name)
 
     @staticmethod
     def _rewriting(block):
@@ -320,9 +344,10 @@ def run_dynet(args, workload, batches):
 
 
 def gradients(net):
-    """{parameter name: (storage type, dense numpy gradient)} of the trained
-    parameters (a frozen one has no gradient and is left out)."""
-    return {name: (p.grad().stype, p.grad().tostype("default").asnumpy())
+    """{parameter name without the model's prefix: (storage type, dense numpy
+    gradient)} of the trained parameters (a frozen one has no gradient and is
+    left out)."""
+    return {name[len(net.prefix):]: (p.grad().stype, p.grad().tostype("default").asnumpy())
             for name, p in net.collect_params().items() if p.grad_req != "null"}
 
 
@@ -368,7 +393,7 @@ def check_same(modes, names, batch):
         raise SystemExit("ABORT: the modes do not compute the same model on the first "
                          "minibatch (%s differ from %s; embedding %s):\n%s"
                          % (", ".join(bad), ref, modes.net.embed_update, "\n".join(lines)))
-    emb = modes.net.encoder.embed.weight.name
+    emb = modes.net.encoder.embed.weight.name[len(modes.net.prefix):]
     return loss, grads[ref][emb][0] if emb in grads[ref] else None
 
 
@@ -422,7 +447,7 @@ def main(argv=None, script=None):
                                   os.environ.get("OMP_NUM_THREADS"),
                                   os.environ.get("OMP_WAIT_POLICY", "(unset)")), flush=True)
 
-    modes = Modes(bench_core, vocab_size, args.seed, embed_update=args.embed_update)
+    modes = Modes(bench_core, vocab_size, args.seed, names, embed_update=args.embed_update)
     same = [m for m in names if m != "dynet"]
     first, emb_stype = check_same(modes, same, pairs[:args.train_size])
     print("first training minibatch: loss %.6f in every mode (%s); predictions and "
