@@ -7,6 +7,7 @@ import pytest
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn
+from mxnet.ndarray import register
 
 import jitbatch
 from harness import assert_same, run
@@ -510,11 +511,32 @@ def test_uninstall_restores_mxnet_and_install_is_idempotent():
         assert HB.forward is not patched and not jitbatch.gluon.installed()
         assert nd.stack is not patched_stack and mx.nd.op.stack is nd.stack
         assert autograd.set_recording is patched_setter.__wrapped__
+        assert register._verify_all_legacy_ndarrays is jitbatch.gluon._mxapi.verify_legacy
         assert "stack" in (nd.stack.__doc__ or "")
         assert y.shape == (1, 2) and y.asnumpy().shape == (1, 2)   # flushed on uninstall
         assert not isinstance(net(nd.ones((1, 2))), jitbatch.LazyArray)
     finally:
         jitbatch.install()
+
+
+def test_legacy_operators_still_refuse_numpy_arrays_as_mxnet_does():
+    # the generated operators' argument check runs without its per-call import;
+    # what it refuses it still refuses, with MXNet's message, lazy or not
+    from mxnet import np as mnp
+    assert register._verify_all_legacy_ndarrays is not jitbatch.gluon._mxapi.verify_legacy
+    x = mnp.ones((1, 2))
+    with pytest.raises(TypeError, match="legacy operator which can only accept legacy"):
+        nd.relu(x)
+    with pytest.raises(TypeError, match="can only write to legacy ndarrays"):
+        nd.relu(nd.ones((1, 2)), out=x)
+    net = nn.Dense(2, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    y = net(nd.ones((1, 2)))
+    with pytest.raises(TypeError, match="legacy operator which can only accept legacy"):
+        nd.add_n(y, x)
+    assert nd.add_n(y, y).asnumpy().shape == (1, 2)
+    net.hybridize(active=False)
 
 
 def test_non_ndarray_argument_is_named():

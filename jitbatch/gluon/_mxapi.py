@@ -31,6 +31,8 @@ from mxnet.util import _NumpyArrayScope
 # -- originals, captured before jitbatch patches them ----------------------------------
 #: the entry point of every generated imperative operator (``mx.nd.*``)
 invoke = register._imperative_invoke  # pylint: disable=protected-access
+#: the check every generated legacy operator runs on its arguments first
+verify_legacy = register._verify_all_legacy_ndarrays  # pylint: disable=protected-access
 block_call = Block.__call__
 hybrid_forward = HybridBlock.forward
 block_hybridize = Block.hybridize
