@@ -314,6 +314,12 @@ def _learn(f, graph, nodes, reason):
         # the next minibatch past recording when the graph merged well)
         graph.chunk_merged = graph.chunk_merged or merged
         return
+    if len(nodes) < 2 and not graph.chunk_merged:
+        # a read right after one recorded call (per-sample code reading a value
+        # once per sample, as a window of eager calls ended before it) tells
+        # nothing about merging: the streak stays as it was and recording goes
+        # on, where ending the streak made every window the smallest
+        return
     graph.passthrough = cost.MODEL.passthrough_after(
         len(nodes), len(f.batches), nothing_to_merge=not (merged or graph.chunk_merged),
         streak=graph.quiet)

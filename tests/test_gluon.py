@@ -820,6 +820,51 @@ def test_unmergeable_chain_runs_eagerly_in_growing_windows():
     ys = [net(x) for _ in range(16)]
     jitbatch.flush()
     assert g.quiet == 0 and g.passthrough == 0
+    # a read right after one recorded call tells nothing: the streak stays (it
+    # reset before, so per-sample code reading a value per sample, the zoo's
+    # moe, re-checked every 64 calls and ran at 0.92x per-sample hybridized)
+    chain(20)
+    assert g.passthrough == 80 and g.quiet == 1
+    g.passthrough = 0
+    net(x).asnumpy()                # one node recorded, then read
+    assert g.passthrough == 0 and g.quiet == 1
+    chain(20)                       # recorded: nothing to merge, the streak grows
+    assert g.passthrough == 160 and g.quiet == 2
+
+
+def test_values_read_mid_sample_do_not_keep_the_rest_of_it_recorded():
+    # per-sample code that reads a value in the middle of each sample (top-1
+    # routing: the gate's argmax read with asscalar) and goes on with arrays
+    # that read computed: in a window of eager calls those are concrete, so
+    # the rest of the sample runs eagerly too (it was recorded, left pending
+    # into the next sample, and kept every window from starting: the zoo's moe
+    # ran at 0.92x per-sample hybridized); values are plain Gluon's
+    gate = nn.Dense(3, in_units=4)
+    experts = [nn.Dense(2, in_units=4) for _ in range(3)]
+    for b in [gate] + experts:
+        b.initialize(mx.init.Uniform(0.5))
+    rng = np.random.default_rng(3)
+    xs = [nd.array(rng.normal(size=(1, 4))) for _ in range(40)]
+
+    def sample(x):
+        logits = gate(x)
+        k = int(logits.argmax(axis=1).asscalar())
+        return experts[k](x) * nd.softmax(logits)[:, k:k + 1]
+    for b in [gate] + experts:
+        b.hybridize(active=False)
+    want = [sample(x).asnumpy() for x in xs]
+    for b in [gate] + experts:
+        b.hybridize(dynamic_batch=True)
+    jitbatch.reset_stats()
+    outs = [sample(x) for x in xs]          # read at the end, as a minibatch's are
+    got = [o.asnumpy() for o in outs]
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # the first samples are recorded and re-checked, then windows of eager
+    # calls take over: far fewer nodes than the 40 samples' 5 calls each
+    assert jitbatch.stats()["nodes"] < 40, jitbatch.stats()["nodes"]
+    for b in [gate] + experts:
+        b.hybridize(active=False)
 
 
 def _loss_minibatch(loss, labels, policy, head=lambda y: y):

@@ -1,7 +1,8 @@
 # Compiled declarations of patch.py (see jitbatch/graph.pxd): the shims run on
 # every block call and every MXNet operator of the process.
-from jitbatch.graph cimport Graph
+from jitbatch.graph cimport Composite, Graph, Node
 from jitbatch.gluon.record cimport record_block, record_op
 
 cdef bint _any_lazy(x, tuple args)
+cdef bint _any_pending(args)
 cdef Py_ssize_t _SCOPES

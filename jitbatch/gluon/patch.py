@@ -23,7 +23,7 @@ from mxnet.symbol import Symbol
 from .. import config as _config
 from .. import execute
 from ..errors import FlagError
-from ..graph import Graph, current_graph
+from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
 from .flags import FLAG_KEYS, parse_flags
@@ -74,7 +74,9 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
                     detach(o)
         return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
     g = current_graph()
-    if g.executing:
+    if g.executing or (g.passthrough and not g.nodes and not _any_pending(ndargs)):
+        # (in a window of eager calls, lazy arguments computed already are as
+        # concrete as any: per-sample code goes on with a value it just read)
         return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
     kind = ROWS_OPS.get(handle)
     if kind is not None and not output_is_list:
@@ -150,6 +152,29 @@ def _any_lazy(x, args):
     return False
 
 
+def _any_pending(args):
+    """Whether any of ``args`` is a lazy array whose launch has not run yet (one
+    that ran is as concrete as any array: MXNet reads its rows through its
+    handle)."""
+    for a in args:
+        if type(a) is LazyArray:
+            la = a
+            if la._value is not None:
+                continue
+            node = la._node
+            if type(node) is Node:
+                n: Node = node
+                if n.batch is None:
+                    return True
+            elif type(node) is Composite:
+                c: Composite = node
+                for p in c.nodes:
+                    pn: Node = p
+                    if pn.batch is None:
+                        return True
+    return False
+
+
 def _forward(self, x, *args):
     """``HybridBlock.forward``: a flagged, active block's call is recorded."""
     if self._jb_cfg is None:
@@ -161,7 +186,7 @@ def _forward(self, x, *args):
             # tracing; or NumPy semantics, which merged launches do not follow
             return _mxapi.hybrid_forward(self, x, *args)
         g: Graph = current_graph()
-        if g.passthrough and not g.nodes and not _any_lazy(x, args):
+        if g.passthrough and not g.nodes and not _any_pending((x,) + args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
             return _mxapi.hybrid_forward(self, x, *args)
         if not g.executing:
