@@ -1070,44 +1070,62 @@ def test_rnn_cell_calls_are_recorded_and_count_their_steps_like_gluon():
         jitbatch.flush()
 
 
+class _SimilaritySteps(object):
+    """The Tree-LSTM's similarity head on ``n`` fixed pairs, its starting
+    parameters kept, to run a sequence of steps plain and batched from them."""
+
+    def __init__(self, seed, n):
+        from examples.tree_lstm.model import Similarity
+        mx.random.seed(seed)
+        self.net = Similarity(6, 5, 8)
+        self.net.initialize(mx.init.Xavier())
+        rng = np.random.default_rng(seed)
+        self.xs = [(nd.array(rng.normal(size=(1, 8))), nd.array(rng.normal(size=(1, 8))))
+                   for _ in range(n)]
+        self.target = nd.array(rng.dirichlet(np.ones(5), size=1))
+        self.start = {k: p.data().copy() for k, p in self.net.collect_params().items()}
+        self.loss_fn = gluon.loss.KLDivLoss(from_logits=True)
+
+    def begin(self, flag, policy, optimizer, lr):
+        """The starting parameters, the mode, and a fresh trainer."""
+        for k, p in self.net.collect_params().items():
+            p.set_data(self.start[k])
+        if flag:
+            self.net.hybridize(dynamic_batch=True, policy=policy)
+        else:
+            self.net.hybridize(active=False)
+        return gluon.Trainer(self.net.collect_params(), optimizer, {"learning_rate": lr})
+
+    def train(self, trainer, n):
+        """One training step on the first ``n`` pairs."""
+        with autograd.record():
+            total = nd.add_n(*[self.loss_fn(self.net(a, b), self.target)
+                               for a, b in self.xs[:n]])
+        total.backward()
+        grads = {k: p.grad().asnumpy().copy() for k, p in self.net.collect_params().items()}
+        trainer.step(n)
+        return grads
+
+    def predict(self, n):
+        return nd.concat(*[self.net(a, b) for a, b in self.xs[:n]], dim=0).asnumpy()
+
+
 @pytest.mark.parametrize("policy", ["auto", "depth", "agenda", "sequential"])
 def test_training_minibatches_of_changing_sizes_equal_plain_gluon(policy):
     # minibatches of 5, 5, 5, 1, 5, 1 samples (an epoch's short last one): every
     # step's gradients equal plain Gluon's, whatever launches the steps before
     # ran (a reused launch state once gave the 1-sample steps wrong gradients)
-    from examples.tree_lstm.model import Similarity
-    mx.random.seed(0)
-    net = Similarity(6, 5, 8)
-    net.initialize(mx.init.Xavier())
-    rng = np.random.default_rng(0)
-    xs = [(nd.array(rng.normal(size=(1, 8))), nd.array(rng.normal(size=(1, 8))))
-          for _ in range(5)]
-    target = nd.array(rng.dirichlet(np.ones(5), size=1))
-    start = {k: p.data().copy() for k, p in net.collect_params().items()}
-    loss_fn = gluon.loss.KLDivLoss(from_logits=True)
+    case = _SimilaritySteps(0, 5)
 
     def train(flag):
-        for k, p in net.collect_params().items():
-            p.set_data(start[k])
-        if flag:
-            net.hybridize(dynamic_batch=True, policy=policy)
-        else:
-            net.hybridize(active=False)
-        trainer = gluon.Trainer(net.collect_params(), "adagrad", {"learning_rate": 0.1})
-        grads = []
-        for n in (5, 5, 5, 1, 5, 1):
-            with autograd.record():
-                total = nd.add_n(*[loss_fn(net(a, b), target) for a, b in xs[:n]])
-            total.backward()
-            grads.append({k: p.grad().asnumpy().copy() for k, p in net.collect_params().items()})
-            trainer.step(n)
-        return grads
+        trainer = case.begin(flag, policy, "adagrad", 0.1)
+        return [case.train(trainer, n) for n in (5, 5, 5, 1, 5, 1)]
     want, got = train(False), train(True)
     for step, (w, g) in enumerate(zip(want, got)):
         for k in w:
             np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-6,
                                        err_msg="step %d, %s" % (step, k))
-    net.hybridize(active=False)
+    case.net.hybridize(active=False)
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
@@ -1117,40 +1135,22 @@ def test_inference_between_training_steps_equals_plain_gluon(policy):
     # of changing and repeated sizes, between training steps that update the
     # parameters in place and one that replaces them, give plain Gluon's
     # predictions
-    from examples.tree_lstm.model import Similarity
-    mx.random.seed(1)
-    net = Similarity(6, 5, 8)
-    net.initialize(mx.init.Xavier())
-    rng = np.random.default_rng(2)
-    xs = [(nd.array(rng.normal(size=(1, 8))), nd.array(rng.normal(size=(1, 8))))
-          for _ in range(6)]
-    target = nd.array(rng.dirichlet(np.ones(5), size=1))
-    start = {k: p.data().copy() for k, p in net.collect_params().items()}
-    loss_fn = gluon.loss.KLDivLoss(from_logits=True)
+    case = _SimilaritySteps(2, 6)
 
     def run(flag):
-        for k, p in net.collect_params().items():
-            p.set_data(start[k])
-        if flag:
-            net.hybridize(dynamic_batch=True, policy=policy)
-        else:
-            net.hybridize(active=False)
-        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5})
+        trainer = case.begin(flag, policy, "sgd", 0.5)
         preds = []
         for step, n in enumerate((6, 3, 6, 6, 1, 3, 6, 6, 3)):
-            preds.append(nd.concat(*[net(a, b) for a, b in xs[:n]], dim=0).asnumpy())
+            preds.append(case.predict(n))
             if step == 4:       # new parameter arrays: a static op planned for the
-                for p in net.collect_params().values():   # old ones plans again
+                for p in case.net.collect_params().values():   # old ones plans again
                     p.initialize(mx.init.Constant(0.01), force_reinit=True)
-            with autograd.record():
-                total = nd.add_n(*[loss_fn(net(a, b), target) for a, b in xs[:n]])
-            total.backward()
-            trainer.step(n)
+            case.train(trainer, n)
         return preds
     want, got = run(False), run(True)
     for step, (w, g) in enumerate(zip(want, got)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg="step %d" % step)
-    net.hybridize(active=False)
+    case.net.hybridize(active=False)
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
