@@ -465,7 +465,8 @@ def main(argv=None, script=None):
                 j = i % max(most[w], 1)
                 step[w](pairs[j * size:(j + 1) * size])
     # minibatches a round may time (--fresh: all but the last, the warm-up one)
-    avail = {w: len(pairs) // sizes[w] - 1 if args.fresh else most[w] for w in sizes}
+    avail = {w: len(pairs) // sizes[w] - 1 if args.fresh else most[w]
+             for w in args.workload_list}
     for w in args.workload_list:
         if avail[w] < most[w]:
             raise SystemExit("%s has %d training pairs; --fresh needs at least %d"
