@@ -249,3 +249,4 @@ cpdef concat(srcs)
 cpdef rows(arr, Py_ssize_t start, Py_ssize_t stop)
 cpdef reshape(arr, shape)
 cpdef op_handle(name)
+cpdef bint np_array_mode() except -1

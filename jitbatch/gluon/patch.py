@@ -6,8 +6,8 @@ shims only decide whether a call is jitbatch's business and hand it to
 calls), MXNet's operator entry point (operators on lazy arrays),
 ``nd.stack`` (stacks of lazy rows), ``hybridize`` (the flags, tree-wide),
 ``_clear_cached_op`` (new signatures) and ``_get_graph`` (graph rewrites)."""
-import sys
 import threading
+from sys import _getframe
 from functools import wraps
 
 import numpy as np
@@ -26,6 +26,7 @@ from ..errors import FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
+from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, parse_flags
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
@@ -182,7 +183,7 @@ def _forward(self, x, *args):
             return _scoped_forward(self, x, args)
         return _mxapi.hybrid_forward(self, x, *args)
     if self._active:
-        if isinstance(x, Symbol) or _mxapi.np_array_mode():
+        if isinstance(x, Symbol) or np_array_mode():
             # tracing; or NumPy semantics, which merged launches do not follow
             return _mxapi.hybrid_forward(self, x, *args)
         g: Graph = current_graph()
@@ -190,7 +191,7 @@ def _forward(self, x, *args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
             return _mxapi.hybrid_forward(self, x, *args)
         if not g.executing:
-            res = record_block(self, g, x, args, sys._getframe(0))  # pylint: disable=protected-access
+            res = record_block(self, g, x, args, _getframe(0))  # pylint: disable=protected-access
             if res is not None:
                 return res
     return _mxapi.hybrid_forward(self, x, *args)
@@ -249,10 +250,10 @@ def _call(self, *args):
             # Gluon RNN cell (GRUCell, LSTMCell, ...) goes through
             # RecurrentCell.forward first, which counts the step
             fwd = type(self).forward
-            rnn = fwd is not _forward and fwd is _mxapi.recurrent_forward and \
+            rnn = fwd is not _forward and fwd is recurrent_forward and \
                 len(args) == 2 and _recurrent_is_hybrid(type(self))
-            if (fwd is _forward or rnn) and self._active and not _mxapi.np_array_mode():
-                res = record_block(self, g, args[0], args[1:], sys._getframe(0))  # pylint: disable=protected-access
+            if (fwd is _forward or rnn) and self._active and not np_array_mode():
+                res = record_block(self, g, args[0], args[1:], _getframe(0))  # pylint: disable=protected-access
                 if res is not None:
                     if rnn:
                         self.__dict__["_counter"] = self._counter + 1

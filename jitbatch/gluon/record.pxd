@@ -10,6 +10,9 @@ from jitbatch.gluon.signatures cimport exact_key, pad_size
 from jitbatch.gluon.sites cimport site_of
 
 cpdef maybe_autoflush(g)
+cpdef tuple _arguments(block, tuple allargs)
+cpdef _one_level(tuple allargs)
+cpdef _outputs(list outs, ofmt)
 cpdef record_block(block, Graph g, x, tuple args, frame)
 cpdef record_op(g, handle, ndargs, keys, vals, output_is_list)
 cdef dict _FLAT, _FLAT_IN, _STACK_BUILD, EXACT

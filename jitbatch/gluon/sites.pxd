@@ -5,4 +5,5 @@ cdef class Site:
 
 cpdef _skip(f)
 cpdef site_of(f)
-cdef dict _skip_file
+cdef dict _skip_file, _skip_code
+cpdef _skip_exec(f)

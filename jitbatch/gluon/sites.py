@@ -13,6 +13,7 @@ from .. import config as _config
 
 _SKIP = ("/mxnet/", "/jitbatch/gluon/", "/jitbatch/graph", "/contextlib")
 _skip_file = {}
+_skip_code = {}   # id(code) -> (code, skip?) for exec'd code (kept: the id stays its own)
 
 
 def _skip(f):
@@ -21,12 +22,26 @@ def _skip(f):
     r = _skip_file.get(fn)
     if r is None:
         if fn == "<string>":   # MXNet's generated operator wrappers are exec'd code
-            return f.f_globals.get("__name__", "").startswith("mxnet")
+            return _skip_exec(f)
         r = False
         for part in _SKIP:
             if part in fn:
                 r = True
         _skip_file[fn] = r
+    return r
+
+
+def _skip_exec(f):
+    """``_skip`` for exec'd code, judged by its module globals once per code
+    object (every operator record passes MXNet's generated wrapper)."""
+    code = f.f_code
+    hit = _skip_code.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    r = f.f_globals.get("__name__", "").startswith("mxnet")
+    if len(_skip_code) > 4096:
+        _skip_code.clear()
+    _skip_code[id(code)] = (code, r)
     return r
 
 
