@@ -1128,6 +1128,92 @@ def test_training_minibatches_of_changing_sizes_equal_plain_gluon(policy):
     case.net.hybridize(active=False)
 
 
+class _Chain(gluon.Block):
+    """A GRU cell over each sample's sequence, the last state scored: with
+    sequences of one length, every step of every sample launches one shape."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        with self.name_scope():
+            self.cell = gluon.rnn.GRUCell(6, input_size=3)
+            self.out = nn.Dense(1, in_units=6)
+
+    def forward(self, seq):
+        h = [nd.zeros((1, 6))]
+        for t in range(seq.shape[0]):
+            y, h = self.cell(seq[t:t + 1], h)
+        return self.out(y)
+
+
+def _recording_static_ops():
+    """The static CachedOps the recording launches of this process made so far."""
+    from mxnet.ndarray import CachedOp
+    ops = 0
+    for info in jitbatch.gluon.signatures.TABLE._table.values():
+        ex = getattr(info, "op", None)
+        if getattr(ex, "mode", (False,))[0] and getattr(ex, "_static", None):
+            ops += sum(isinstance(v, CachedOp) for v in ex._static.values())
+    return ops
+
+
+@pytest.mark.parametrize("policy", ["agenda", "auto", "sequential"])
+def test_recording_launches_of_recurring_shapes_equal_plain_gluon(policy):
+    # training launches of a shape seen twice before run a CachedOp with static
+    # memory: within one backward the same shape launches once per time step
+    # (each launch its own state), two recorded minibatches are kept before one
+    # backward, one graph is run backward twice (retain_graph), and minibatch
+    # sizes change: every step's gradients equal plain Gluon's
+    mx.random.seed(4)
+    net = _Chain()
+    net.initialize(mx.init.Xavier())
+    start = {k: p.data().copy() for k, p in net.collect_params().items()}
+    rng = np.random.default_rng(4)
+    seqs = [nd.array(rng.normal(size=(4, 3))) for _ in range(6)]
+
+    def loss(n, first=0):
+        return nd.add_n(*[nd.sum(net(x) ** 2) for x in seqs[first:first + n]])
+
+    def grads():
+        return {k: p.grad().asnumpy().copy() for k, p in net.collect_params().items()}
+
+    def steps(flag):
+        for k, p in net.collect_params().items():
+            p.set_data(start[k])
+        if flag:
+            net.hybridize(dynamic_batch=True, policy=policy)
+        else:
+            net.hybridize(active=False)
+        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        got = []
+        for n in (6, 6, 6, 2, 6, 2):
+            with autograd.record():
+                total = loss(n)
+            total.backward()
+            got.append(grads())
+            trainer.step(n)
+        with autograd.record():         # two minibatches recorded, one backward
+            a = loss(3)
+            b = loss(3, first=3)
+        autograd.backward([a, b])
+        got.append(grads())
+        with autograd.record():
+            total = loss(6)
+        total.backward(retain_graph=True)
+        got.append(grads())
+        total.backward()
+        got.append(grads())
+        return got
+
+    want, got = steps(False), steps(True)
+    for step, (w, g) in enumerate(zip(want, got)):
+        for k in w:
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-6,
+                                       err_msg="step %d, %s" % (step, k))
+    if policy != "sequential":
+        assert _recording_static_ops() > 0     # the static path ran
+    net.hybridize(active=False)
+
+
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
 def test_inference_between_training_steps_equals_plain_gluon(policy):
     # inference launches run a static CachedOp per launch shape that recurs

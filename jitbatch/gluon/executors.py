@@ -68,7 +68,7 @@ class BlockExec(object):
         self.checked = False
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
         self.stages = None  # its input-stage plan: None until looked for, False: none
-        self._static = None     # input shapes -> a static CachedOp (launches not recording)
+        self._static = None     # input shapes -> a CachedOp with static memory (see _static_op)
         self._static_of = None  # the block's own CachedOp those were made beside
 
     @property
@@ -84,7 +84,7 @@ class BlockExec(object):
         block = self.block
         with self.ctx, _mxapi.mode_scope(self.mode):
             ins = gather.gather_batch(batch)
-            op = None if self.mode[0] or block._cached_op is None or block._callback else \
+            op = None if block._cached_op is None or block._callback else \
                 self._static_op(block, ins)  # pylint: disable=protected-access
             if op is None:
                 it = iter(ins)
@@ -108,17 +108,18 @@ class BlockExec(object):
         finish(batch, outs)
 
     def _static_op(self, block, ins):
-        """A CachedOp of ``block``'s graph with MXNet's static memory planning
-        for launches with these input shapes that do not record (inference):
-        MXNet's dynamic CachedOp infers shapes and plans memory on every call
-        (about half of a small block's issue time); a static one does both once
-        per input shapes, reuses its intermediate buffers (the engine orders
-        the launches that share them) and returns outputs of their own. One
-        per launch shape that recurs (None for its first ``_STATIC_AFTER``
-        launches: the dynamic CachedOp runs them), made beside the block's own
-        CachedOp and dropped with it. Recording launches keep the dynamic
-        CachedOp: autograd holds their states (and a static state reused under
-        autograd gave wrong gradients: docs/design.rst, Known limits)."""
+        """A CachedOp of ``block``'s graph with MXNet's static memory for
+        launches with these input shapes: MXNet's dynamic CachedOp allocates
+        every intermediate array on every call (and frees it, one engine
+        operation each); a static one keeps its buffers and reuses them (the
+        engine orders the launches that share them; a state autograd still
+        holds for a backward is not reused: MXNet makes another) and returns
+        outputs of their own. Launches that do not record (inference) also
+        plan shapes once (``static_shape``); recording ones do not, as with it
+        a backward after launches of other sizes gave wrong gradients
+        (docs/design.rst, Known limits). One per launch shape that recurs
+        (None for its first ``_STATIC_AFTER`` launches: the dynamic CachedOp
+        runs them), made beside the block's own CachedOp and dropped with it."""
         base = block._cached_op  # pylint: disable=protected-access
         if self._static_of is not base:
             self._static, self._static_of = {}, base
@@ -133,7 +134,7 @@ class BlockExec(object):
             args = block._cached_op_args  # pylint: disable=protected-access
             flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
                      ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
-                     ("static_alloc", True), ("static_shape", True)] + \
+                     ("static_alloc", True), ("static_shape", not self.mode[0])] + \
                 [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
             op = self._static[key] = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
         return op
