@@ -124,6 +124,37 @@ def test_resident_memory_stays_flat_over_many_minibatches():
     assert len(jitbatch.gluon.signatures.TABLE) < 100
 
 
+@pytest.mark.parametrize("read", [True, False])
+def test_host_copies_of_constants_are_freed_in_a_training_loop(read, monkeypatch):
+    # each flush copies index arrays and constants from host memory; their host
+    # wrappers are kept until the copy is done, and must not pile up across
+    # minibatches, whether a step reads a value (after backward forced the
+    # flush) or never reads one
+    from jitbatch.gluon import _mxapi
+    from models import childsum_model, childsum_samples, childsum_apply
+    net = childsum_model()
+    net.hybridize(dynamic_batch=True)
+    tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01})
+    rng = np.random.default_rng(3)
+    pool = [childsum_samples(rng, 4) for _ in range(5)]
+    sizes = []
+    jitbatch.flush()
+    _mxapi.release_hosts()
+    made = []
+    copy = _mxapi.host_array
+    monkeypatch.setattr(_mxapi, "host_array", lambda *a: made.append(1) or copy(*a))
+    for step in range(3 * _mxapi.HOSTS_KEPT):
+        with autograd.record():
+            loss = nd.add_n(*[childsum_apply(net, s)[1].sum() for s in pool[step % 5]])
+        loss.backward()
+        tr.step(1)
+        if read:
+            loss.asscalar()
+        sizes.append(len(_mxapi._HOSTS))   # pylint: disable=protected-access
+    assert max(sizes) <= _mxapi.HOSTS_KEPT, max(sizes)
+    assert len(made) >= len(sizes)       # the steps made host copies
+
+
 def test_old_gc_generations_wait_while_pending_and_are_restored_after_flush_or_failure(
         monkeypatch):
     import gc

@@ -100,6 +100,9 @@ _WRAPPABLE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64,
 #: (host wrapper, its copy) pairs whose copies may still be pending (see host_array)
 _HOSTS = []
 _HOSTS_LOCK = threading.Lock()
+#: wrappers kept at most: past it the older half is freed, their copies long done
+#: (a loop that never reads a value must not keep one per flush for ever)
+HOSTS_KEPT = 64
 
 
 def host_array(data, ctx, dtype):
@@ -123,16 +126,21 @@ def host_array(data, ctx, dtype):
     host.copyto(out)
     with _HOSTS_LOCK:
         _HOSTS.append((host, out))
+        full = len(_HOSTS) > HOSTS_KEPT
+    if full:
+        release_hosts(HOSTS_KEPT // 2)
     return out
 
 
-def release_hosts():
+def release_hosts(count=None):
     """Free the host wrappers of ``host_array`` (waiting for copies not done
-    yet): called where the thread waits for kernels anyway (a read), and at
+    yet), the oldest ``count`` or all: called where the thread waits for
+    kernels anyway (a read), when more than ``HOSTS_KEPT`` are kept, and at
     exit."""
     with _HOSTS_LOCK:
-        hosts = _HOSTS[:]
-        del _HOSTS[:]
+        n = len(_HOSTS) if count is None else min(count, len(_HOSTS))
+        hosts = _HOSTS[:n]
+        del _HOSTS[:n]
     for _, out in hosts:
         out.wait_to_read()
     del hosts

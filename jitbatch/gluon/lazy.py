@@ -122,8 +122,11 @@ class LazyArray(NDArray, Ref):
         self._node = DETACHED
         self._view = None
         g = node.graph
-        if (g.retired or g.kept) and not g.executing and g.thread == _get_ident():
-            g.release()   # a read: what flushes kept is freed while the kernels run
+        if not g.executing and g.thread == _get_ident():
+            # a read: what flushes kept is freed while the kernels run (also
+            # after a flush that a backward forced and released already)
+            if g.retired or g.kept:
+                g.release()
             if _mxapi._HOSTS:  # pylint: disable=protected-access
                 _mxapi.release_hosts()
         return v
