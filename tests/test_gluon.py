@@ -1152,7 +1152,7 @@ def _recording_static_ops():
     for info in jitbatch.gluon.signatures.TABLE._table.values():
         ex = getattr(info, "op", None)
         if getattr(ex, "mode", (False,))[0] and getattr(ex, "_static", None):
-            ops += sum(isinstance(v, CachedOp) for v in ex._static.values())
+            ops += sum(isinstance(op, CachedOp) for op, _ in ex._static.ops.values())
     return ops
 
 
@@ -1212,6 +1212,43 @@ def test_recording_launches_of_recurring_shapes_equal_plain_gluon(policy):
     if policy != "sequential":
         assert _recording_static_ops() > 0     # the static path ran
     net.hybridize(active=False)
+
+
+def test_static_cachedops_stay_with_the_launch_shapes_used_most(monkeypatch):
+    # a launch shape gets a static CachedOp on its third launch; where more
+    # shapes cycle than may keep one (a sequence model's steps run every size),
+    # those that have one keep it instead of one being remade per launch; once
+    # a workload moves to other shapes, ageing hands them over
+    from jitbatch.gluon import executors
+    monkeypatch.setattr(executors, "STATIC_SHAPES", 4)
+    monkeypatch.setattr(executors, "AGE_EVERY", 64)
+    cache = executors.StaticOps()
+    made = []
+
+    def launch(key):            # as BlockExec._static_op uses it
+        entry = cache.ops.get(key)
+        if entry is not None:
+            entry[1] += 1
+            cache.launches += 1
+            return True
+        if cache.admit(key):
+            cache.ops[key][0] = object()
+            made.append(key)
+            return True
+        return False
+
+    assert [launch("a") for _ in range(4)] == [False, False, True, True]
+    for _ in range(200):
+        for key in "abcdef":
+            launch(key)
+        assert len(cache.ops) <= 4
+    assert len(made) <= 6        # clearing or least-recently-used: one per miss
+    before = len(made)
+    for _ in range(200):
+        for key in "wxyz":
+            launch(key)
+    assert sorted(cache.ops) == list("wxyz") and len(made) == before + 4
+    assert len(cache.seen) <= 4 * executors.STATIC_SHAPES
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])

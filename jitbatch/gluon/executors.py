@@ -68,7 +68,7 @@ class BlockExec(object):
         self.checked = False
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
         self.stages = None  # its input-stage plan: None until looked for, False: none
-        self._static = None     # input shapes -> a CachedOp with static memory (see _static_op)
+        self._static = None     # its StaticOps: launch shapes -> CachedOps with static memory
         self._static_of = None  # the block's own CachedOp those were made beside
 
     @property
@@ -117,26 +117,29 @@ class BlockExec(object):
         outputs of their own. Launches that do not record (inference) also
         plan shapes once (``static_shape``); recording ones do not, as with it
         a backward after launches of other sizes gave wrong gradients
-        (docs/design.rst, Known limits). One per launch shape that recurs
-        (None for its first ``_STATIC_AFTER`` launches: the dynamic CachedOp
-        runs them), made beside the block's own CachedOp and dropped with it."""
+        (docs/design.rst, Known limits). None where the shape has none (yet):
+        the dynamic CachedOp runs it (``StaticOps`` says which shapes get
+        one). Made beside the block's own CachedOp and dropped with it."""
         base = block._cached_op  # pylint: disable=protected-access
+        cache = self._static
         if self._static_of is not base:
-            self._static, self._static_of = {}, base
+            cache = self._static = StaticOps()
+            self._static_of = base
         key = tuple([_mxapi.concrete_shape(x) for x in ins])
-        op = self._static.get(key, 0)
-        if type(op) is int:
-            if op < _STATIC_AFTER:      # a shape seen once may not recur
-                if len(self._static) >= _STATIC_SHAPES:
-                    self._static.clear()
-                self._static[key] = op + 1
-                return None
-            args = block._cached_op_args  # pylint: disable=protected-access
-            flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
-                     ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
-                     ("static_alloc", True), ("static_shape", not self.mode[0])] + \
-                [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
-            op = self._static[key] = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
+        entry = cache.ops.get(key)
+        if entry is not None:
+            entry[1] += 1
+            cache.launches += 1
+            return entry[0]
+        if not cache.admit(key):
+            return None
+        args = block._cached_op_args  # pylint: disable=protected-access
+        flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
+                 ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
+                 ("static_alloc", True), ("static_shape", not self.mode[0])] + \
+            [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
+        op = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
+        cache.ops[key][0] = op
         return op
 
     def _each(self, batch):
@@ -150,12 +153,58 @@ class BlockExec(object):
                 finish([node], outs)
 
 
+class StaticOps(object):
+    """Which launch shapes of one block signature run a static CachedOp
+    (``BlockExec._static_op``). Each holds its intermediate buffers, so at
+    most ``STATIC_SHAPES`` do; a shape gets one on its ``STATIC_AFTER + 1``-th
+    launch (one seen once may not recur: making one and its first call cost
+    about four calls of the dynamic one). Where all are taken, the shape
+    replaces the least used one only if it was launched twice as often: launch
+    sizes cycle (a sequence model's steps run every size up to the minibatch),
+    and where more sizes cycle than fit, replacing the least recently used
+    would remake one on nearly every launch. Use counts are halved every
+    ``AGE_EVERY`` launches, so shapes a workload stopped using give way."""
+    __slots__ = ("ops", "seen", "launches")
+
+    def __init__(self):
+        self.ops = {}       # input shapes -> [CachedOp, launches (aged)]
+        self.seen = {}      # input shapes without one -> launches (aged)
+        self.launches = 0   # launches since the last ageing
+
+    def admit(self, key):
+        """Whether launch shapes ``key`` (without one) get a static CachedOp
+        now; if so ``ops[key]`` is made, for the caller to fill."""
+        self.launches += 1
+        if self.launches >= AGE_EVERY or len(self.seen) >= 4 * STATIC_SHAPES:
+            self._age()
+        n = self.seen.get(key, 0) + 1
+        self.seen[key] = n
+        if n <= STATIC_AFTER:
+            return False
+        ops = self.ops
+        if len(ops) >= STATIC_SHAPES:
+            least = min(ops, key=lambda k: ops[k][1])
+            if 2 * ops[least][1] >= n:    # a clear lead: ties would swap back and forth
+                return False
+            del ops[least]
+        del self.seen[key]
+        ops[key] = [None, n]
+        return True
+
+    def _age(self):
+        self.launches = 0
+        for entry in self.ops.values():
+            entry[1] //= 2
+        self.seen = {k: n // 2 for k, n in self.seen.items() if n > 1}
+
+
 #: launch shapes per block signature that keep a static CachedOp (each holds its
 #: intermediate buffers; launch sizes are rounded, config.row_buckets, so few recur)
-_STATIC_SHAPES = 64
-#: launches of a shape that run the dynamic CachedOp before a static one is made:
-#: making one and its first call cost about four calls of the dynamic one
-_STATIC_AFTER = 2
+STATIC_SHAPES = 64
+#: launches of a shape that run the dynamic CachedOp before a static one is made
+STATIC_AFTER = 2
+#: launches after which StaticOps halves its counts (at the next shape without one)
+AGE_EVERY = 1024
 
 
 def _format_leaves(fmt):
