@@ -989,6 +989,30 @@ def test_arrays_made_from_python_data_while_pending_merge_into_one_creation(poli
     assert first.shape == (1, 3)
 
 
+def test_arrays_made_while_pending_follow_the_context_scope_without_warnings():
+    # a recorded nd.array lands on the device of the enclosing context scope,
+    # as MXNet's own does, and asks MXNet for it without its deprecated property
+    # (whose warning every such array raised: shown by pytest and `-W default`)
+    import warnings
+    dense = nn.Dense(2, in_units=3)
+    dense.initialize()
+    dense.hybridize(dynamic_batch=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = dense(nd.ones((1, 3)))     # starts the graph
+        with mx.Context("cpu", 1):
+            x = nd.array([[1.0, 2.0, 3.0]])
+        z = nd.array([[4.0, 5.0, 6.0]])
+        assert jitbatch.is_lazy(x) and jitbatch.is_lazy(z)
+        assert x.context == mx.cpu(1) and z.context == mx.cpu(0)
+        np.testing.assert_allclose(x.asnumpy(), [[1, 2, 3]])
+        np.testing.assert_allclose(z.asnumpy(), [[4, 5, 6]])
+        y.asnumpy()
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)], \
+        [str(w.message) for w in caught]
+    dense.hybridize(active=False)
+
+
 @pytest.mark.parametrize("policy", ["depth", "agenda", "sequential", "auto"])
 def test_zeros_and_begin_states_made_while_pending_merge_into_one_creation(policy):
     # a GRU over per-sample sequences, each starting from its cell's

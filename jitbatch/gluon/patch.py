@@ -12,7 +12,7 @@ from functools import wraps
 
 import numpy as np
 from mxnet.base import mx_real_t as _mx_real_t
-from mxnet.context import Context
+from mxnet.context import current_context
 
 from mxnet.gluon.block import Block, HybridBlock
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
@@ -121,7 +121,7 @@ def _array(source_array, ctx=None, dtype=None):
                 values = None
             if values is not None and values.ndim and values.size and \
                     values.dtype.kind in "biuf":
-                return record_const(g, values, ctx or Context.default_ctx)
+                return record_const(g, values, ctx or current_context())
     return _mxapi.nd_array(source_array, ctx=ctx, dtype=dtype)
 
 
