@@ -120,6 +120,14 @@ def test_lazy_arrays_read_and_made_by_compiled_code_match_python():
     assert view._view == (2, 1, False) and view.shape == (1, 4)
     row = lazy.row_view(ref, -1)
     assert row._view == (3, 1, True) and row.shape == (4,)
+    # the slot readers the records and gathers use, on arrays made both ways
+    for a in (made, ref, view):
+        assert lazy.node_of(a) is a._node and lazy.k_of(a) == a._k
+        assert lazy.shape_of(a) == a._shape and lazy.view_of(a) == a._view
+        assert lazy.value_of(a) is None and lazy.meta_of(a) == (a._shape, a._dtype, a._ctx)
+    value = nd.ones((3, 4))
+    ref._value = value
+    assert lazy.value_of(ref) is value
 
 
 def test_a_dropped_pending_lazy_array_computes_nothing():

@@ -3,6 +3,7 @@
 # launch groups directly.
 from jitbatch.graph cimport Node, Composite, Group
 from jitbatch.signature cimport SigInfo
+from jitbatch.gluon.lazy cimport k_of, node_of, shape_of, value_of, view_of
 
 
 cdef class Plan:

@@ -23,7 +23,8 @@ from ..signature import SigInfo
 from ..stats import STATS
 from . import _mxapi
 from .layout import flat_shape
-from .lazy import DETACHED, LazyArray, parts_of, row_value
+from .lazy import (DETACHED, LazyArray, k_of, node_of, parts_of, row_value, shape_of,
+                   value_of, view_of)
 
 
 class Plan(object):
@@ -76,7 +77,7 @@ def plan_gather(values, shape, index, sizes):
     for v in values:
         if type(v) is LazyArray:
             la = v
-            if type(la._node) is Composite:
+            if type(node_of(la)) is Composite:
                 parts_of(v, leaves)
                 continue
         leaves.append(v)
@@ -102,7 +103,7 @@ def _plan_segments(leaves, values, want, index, sizes):
         t = type(v)
         if t is LazyArray:
             la = v
-            node = la._node
+            node = node_of(la)
         else:
             node = None
         if t is _Pad or t is _View:
@@ -115,7 +116,7 @@ def _plan_segments(leaves, values, want, index, sizes):
                 srcs[key] = (z, full)
             r = v.shape[1:]
         elif node is None or node is DETACHED:
-            arr = v if node is None else la._value
+            arr = v if node is None else value_of(la)
             key = id(arr)
             shp = sizes.get(key)
             if shp is None:
@@ -127,7 +128,7 @@ def _plan_segments(leaves, values, want, index, sizes):
             r = shp[1:]
         else:
             n = node
-            k = la._k
+            k = k_of(la)
             grp = n.group
             info = n.info
             per, r = info.out_rows[k]
@@ -137,7 +138,7 @@ def _plan_segments(leaves, values, want, index, sizes):
                 full = grp.size * count
             else:
                 start, count, full = n.off, n.rows, grp.rows
-            view = la._view
+            view = view_of(la)
             if view is not None:
                 start += view[0]
                 count = view[1]
@@ -253,7 +254,7 @@ def plan_padded(values, shape, axis, index, sizes):
     for v in values:
         if type(v) is LazyArray:
             la = v
-            ks.append(la._shape[axis])
+            ks.append(shape_of(la)[axis])
         else:
             shp = sizes.get(id(v))
             if shp is None:
@@ -293,7 +294,7 @@ def _unit_segments(v, unit, out, views):
     """Append ``v``'s segments as rows of shape ``unit``; False if one is not."""
     if type(v) is LazyArray:
         la = v
-        node = la._node
+        node = node_of(la)
         if type(node) is Composite:
             parts = []
             parts_of(v, parts)
@@ -304,12 +305,12 @@ def _unit_segments(v, unit, out, views):
         if node is not DETACHED:
             n: Node = node
             info: SigInfo = n.info
-            view = la._view
-            if info.out_rows[la._k][1] != unit or (view is not None and view[2]):
+            view = view_of(la)
+            if info.out_rows[k_of(la)][1] != unit or (view is not None and view[2]):
                 return False
             out.append(v)
             return True
-        v = la._value
+        v = value_of(la)
     hit = views.get(id(v))      # one source per array, however many samples read it
     if hit is not None and hit[0] is v:
         out.append(hit[1])
@@ -364,7 +365,7 @@ def _ragged_want(values, shape, sizes):
     rows = 0
     for v in values:
         if type(v) is LazyArray:
-            rows += v._shape[0]
+            rows += shape_of(v)[0]
         else:
             shp = sizes.get(id(v))
             if shp is None:
@@ -510,9 +511,9 @@ def _twins(a_values, b_values, kmap):
             return False
         la = a
         lb = b
-        node = la._node
+        node = node_of(la)
         if type(node) is Composite:
-            other = lb._node
+            other = node_of(lb)
             if type(other) is not Composite:
                 return False
             ca = node
@@ -520,13 +521,13 @@ def _twins(a_values, b_values, kmap):
             if len(ca.parts) != len(cb.parts) or not _twins(ca.parts, cb.parts, kmap):
                 return False
             continue
-        if node is not lb._node or la._view != lb._view:
+        if node is not node_of(lb) or view_of(la) != view_of(lb):
             return False
         if node is DETACHED:
             if a is b:
                 continue
             return False
-        ka, kb = la._k, lb._k
+        ka, kb = k_of(la), k_of(lb)
         k = kmap.get(ka)
         if k is None:
             n = node

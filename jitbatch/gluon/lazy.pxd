@@ -49,6 +49,17 @@ cdef extern from *:
         return 0;
     }
 
+    /* slot i of LazyArray o (0-5: the given fields in that order, 6: _value)
+       as a new reference, read at its offset (a generic attribute read walks
+       the type's lookup and descriptor: ~70 instructions). The offsets are
+       per module: jb_lazy_type must have run in the module that reads. */
+    static PyObject *jb_lz_slot(PyObject *o, int i) {
+        PyObject *v = *(PyObject **)((char *)o + (i < 6 ? jb_lz_given[i] : jb_lz_value));
+        if (v == NULL) v = Py_None;
+        Py_INCREF(v);
+        return v;
+    }
+
     #define JB_SET(o, off, v) do { PyObject **p_ = (PyObject **)((char *)(o) + (off)); \
         PyObject *old_ = *p_; Py_INCREF(v); *p_ = (v); Py_XDECREF(old_); } while (0)
 
@@ -68,6 +79,7 @@ cdef extern from *:
     }
     """
     int jb_lazy_type(object type) except -1
+    object jb_lz_slot(object o, int i)
     object jb_new_lazy(object type, object node, object k, object shape, object dtype,
                        object ctx, object view)
 
@@ -75,3 +87,9 @@ cpdef new_lazy(node, k, shape, dtype, ctx, view=*)
 cpdef row_view(arr, key)
 cpdef _view(arr, r0, rc, squeeze, new_shape)
 cpdef parts_of(v, list out)
+cpdef node_of(la)
+cpdef k_of(la)
+cpdef shape_of(la)
+cpdef view_of(la)
+cpdef value_of(la)
+cpdef tuple meta_of(la)

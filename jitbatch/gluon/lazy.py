@@ -190,6 +190,51 @@ def new_lazy(node, k, shape, dtype, ctx, view=None):
     return LazyArray(node, k, shape, dtype, ctx, view)
 
 
+# A lazy array's fields, read per argument of every record and per row of every
+# gathered input: compiled, at the slot's offset (lazy.pxd), where an attribute
+# read walks the type's lookup and its descriptor.
+def node_of(la):
+    """``la._node`` of LazyArray ``la``."""
+    if cython.compiled:
+        return jb_lz_slot(la, 0)  # noqa: F821
+    return la._node
+
+
+def k_of(la):
+    """``la._k``: which output of its node."""
+    if cython.compiled:
+        return jb_lz_slot(la, 1)  # noqa: F821
+    return la._k
+
+
+def shape_of(la):
+    """``la._shape``."""
+    if cython.compiled:
+        return jb_lz_slot(la, 2)  # noqa: F821
+    return la._shape
+
+
+def view_of(la):
+    """``la._view``: None or its row range of the producer's output."""
+    if cython.compiled:
+        return jb_lz_slot(la, 5)  # noqa: F821
+    return la._view
+
+
+def value_of(la):
+    """``la._value``: its concrete array, None while lazy."""
+    if cython.compiled:
+        return jb_lz_slot(la, 6)  # noqa: F821
+    return la._value
+
+
+def meta_of(la):
+    """``(shape, dtype, device)`` of LazyArray ``la``."""
+    if cython.compiled:
+        return jb_lz_slot(la, 2), jb_lz_slot(la, 3), jb_lz_slot(la, 4)  # noqa: F821
+    return la._shape, la._dtype, la._ctx
+
+
 def detach(arr):
     """Make lazy ``arr`` a concrete array of its own (before an in-place write)."""
     arr.value()
@@ -201,7 +246,7 @@ def row_view(arr, key):
     """``x[i]`` / ``x[a:b]`` of lazy array ``arr`` along axis 0 as a free view
     (rows of its producer's output: no node), or None if not that case
     (``LazyArray.__getitem__`` then records an operator)."""
-    shape = arr._shape
+    shape = shape_of(arr)
     n = shape[0]
     if type(key) is not slice:
         i = int(key)
@@ -220,16 +265,17 @@ def row_view(arr, key):
 
 
 def _view(arr, r0, rc, squeeze, new_shape):
-    view = arr._view
+    view = view_of(arr)
     if view is not None:
         pr0, _, psq = view
         if psq:
             return None  # a view of a squeezed view is not a row range of the producer
         r0 = pr0 + r0
-    node = arr._node
+    node = node_of(arr)
     if node is DETACHED or type(node) is Composite:
         return None
-    return new_lazy(node, arr._k, new_shape, arr._dtype, arr._ctx, (r0, rc, squeeze))
+    _, dtype, ctx = meta_of(arr)
+    return new_lazy(node, k_of(arr), new_shape, dtype, ctx, (r0, rc, squeeze))
 
 
 def _tuple_index(arr, key):
@@ -266,8 +312,8 @@ def _tuple_index(arr, key):
 def parts_of(v, out):
     """Append the values a composite lazy array ``v`` is made of (through
     nested composites)."""
-    for part in v._node.parts:
-        if type(part) is LazyArray and type(part._node) is Composite:
+    for part in node_of(v).parts:
+        if type(part) is LazyArray and type(node_of(part)) is Composite:
             parts_of(part, out)
             continue
         out.append(part)

@@ -8,7 +8,7 @@ from mxnet.context import Context
 
 from ..errors import BatchingError
 from . import _mxapi
-from .lazy import LazyArray
+from .lazy import LazyArray, meta_of
 
 
 class Device(Context):
@@ -45,8 +45,7 @@ _LAST = [None, None]    # the concrete array meta() saw last, and its meta
 def meta(a):
     """``(shape, dtype, Device)`` of a lazy or concrete array."""
     if type(a) is LazyArray:
-        la = a
-        return la._shape, la._dtype, la._ctx
+        return meta_of(a)
     last = _LAST
     if a is last[0]:    # the same constant (a zero state) in call after call
         return last[1]
