@@ -1250,16 +1250,13 @@ def test_static_cachedops_stay_with_the_launch_shapes_used_most(monkeypatch):
     made = []
 
     def launch(key):            # as BlockExec._static_op uses it
-        entry = cache.ops.get(key)
-        if entry is not None:
-            entry[1] += 1
-            cache.launches += 1
-            return True
-        if cache.admit(key):
-            cache.ops[key][0] = object()
+        entry = cache.use(key)
+        if entry is None:
+            return False
+        if entry[0] is None:
+            entry[0] = object()
             made.append(key)
-            return True
-        return False
+        return True
 
     assert [launch("a") for _ in range(4)] == [False, False, True, True]
     for _ in range(200):

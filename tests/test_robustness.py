@@ -155,6 +155,22 @@ def test_host_copies_of_constants_are_freed_in_a_training_loop(read, monkeypatch
     assert len(made) >= len(sizes)       # the steps made host copies
 
 
+def test_host_copies_made_without_any_read_stay_bounded_and_right():
+    # a loop that never reads keeps at most HOSTS_KEPT wrappers: past it the
+    # older half is freed (their copies waited for), the arrays keep their values
+    from jitbatch.gluon import _mxapi
+    _mxapi.release_hosts()
+    outs = []
+    for i in range(3 * _mxapi.HOSTS_KEPT):
+        data = np.full((2, 3), i, dtype=np.float32)
+        data.setflags(write=False)
+        outs.append(_mxapi.host_array(data, mx.cpu(), np.float32))
+        assert len(_mxapi._HOSTS) <= _mxapi.HOSTS_KEPT   # pylint: disable=protected-access
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out.asnumpy(), np.full((2, 3), i))
+    _mxapi.release_hosts()
+
+
 def test_old_gc_generations_wait_while_pending_and_are_restored_after_flush_or_failure(
         monkeypatch):
     import gc

@@ -125,21 +125,17 @@ class BlockExec(object):
         if self._static_of is not base:
             cache = self._static = StaticOps()
             self._static_of = base
-        key = tuple([_mxapi.concrete_shape(x) for x in ins])
-        entry = cache.ops.get(key)
-        if entry is not None:
-            entry[1] += 1
-            cache.launches += 1
-            return entry[0]
-        if not cache.admit(key):
+        entry = cache.use(tuple([_mxapi.concrete_shape(x) for x in ins]))
+        if entry is None:
             return None
+        if entry[0] is not None:
+            return entry[0]
         args = block._cached_op_args  # pylint: disable=protected-access
         flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
                  ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
                  ("static_alloc", True), ("static_shape", not self.mode[0])] + \
             [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
-        op = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
-        cache.ops[key][0] = op
+        op = entry[0] = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
         return op
 
     def _each(self, batch):
@@ -171,25 +167,34 @@ class StaticOps(object):
         self.seen = {}      # input shapes without one -> launches (aged)
         self.launches = 0   # launches since the last ageing
 
-    def admit(self, key):
-        """Whether launch shapes ``key`` (without one) get a static CachedOp
-        now; if so ``ops[key]`` is made, for the caller to fill."""
+    def use(self, key):
+        """A launch of shapes ``key``: its entry ``[CachedOp, launches]``, or
+        None where the shape runs the dynamic CachedOp; an entry whose op is
+        None was admitted now, for the caller to fill."""
         self.launches += 1
+        entry = self.ops.get(key)
+        if entry is not None:
+            entry[1] += 1
+            return entry
+        return self._admit(key)
+
+    def _admit(self, key):
+        """The new entry of launch shapes ``key`` (without one), or None."""
         if self.launches >= AGE_EVERY or len(self.seen) >= 4 * STATIC_SHAPES:
             self._age()
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
         if n <= STATIC_AFTER:
-            return False
+            return None
         ops = self.ops
         if len(ops) >= STATIC_SHAPES:
             least = min(ops, key=lambda k: ops[k][1])
             if 2 * ops[least][1] >= n:    # a clear lead: ties would swap back and forth
-                return False
+                return None
             del ops[least]
         del self.seen[key]
-        ops[key] = [None, n]
-        return True
+        entry = ops[key] = [None, n]
+        return entry
 
     def _age(self):
         self.launches = 0
