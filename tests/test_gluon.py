@@ -1180,7 +1180,7 @@ def _recording_static_ops():
     return ops
 
 
-@pytest.mark.parametrize("policy", ["agenda", "auto", "sequential"])
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
 def test_recording_launches_of_recurring_shapes_equal_plain_gluon(policy):
     # training launches of a shape seen twice before run a CachedOp with static
     # memory: within one backward the same shape launches once per time step
