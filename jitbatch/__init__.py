@@ -22,6 +22,8 @@ __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "flush", "stats", "reset_stats", "config", "POLICIES",
            "LazyArray", "JitBatchError", "FlagError", "BatchingError", "ExecutionError",
            "StaleValueError", "ContractWarning", "BudgetWarning", "is_lazy", "compiled_modules", "zero_pad"]
+# jitbatch.map (a per-sample loop whose reads wait for each other) stays out of
+# __all__: a star import would hide the builtin map
 
 
 def flush():
@@ -57,9 +59,10 @@ def is_lazy(x):
 try:  # the framework layer after the core; the core alone works without MXNet
     import mxnet  # noqa: F401  (is the framework there?)
 except ImportError:  # pragma: no cover - exercised by tests/test_core_pure.py
-    LazyArray = install = uninstall = zero_pad = forget_mode = None
+    LazyArray = install = uninstall = zero_pad = forget_mode = map = None  # noqa: A001
 else:
     from .gluon import LazyArray, install, uninstall  # noqa: E402
     from .gluon.flags import zero_pad  # noqa: E402
     from .gluon.modes import forget_mode  # noqa: E402
+    from .gluon.interleave import map_samples as map  # noqa: E402,A001
     install()

@@ -30,7 +30,7 @@ cdef class Graph:
     cdef public bint executing, chunk_merged
     cdef public list retired, kept, kept_before
     cdef public dict reads
-    cdef public object autograd
+    cdef public object autograd, sharing
     cdef public Py_ssize_t autograd_gen
     cpdef Node add(self, info, tuple inputs, site, mode, rows=*)
     cdef bint _link(self, Node n, Node p) except -1
@@ -38,5 +38,6 @@ cdef class Graph:
 
 
 cpdef Graph current_graph()
+cpdef object recorder()
 cpdef _sources(x)
 cpdef _producers(x, list out)

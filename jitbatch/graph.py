@@ -137,7 +137,7 @@ class Graph(object):
 
     def __init__(self):
         self.nodes = []
-        self.thread = threading.get_ident()
+        self.thread = recorder()
         self.seq = 0
         self.executing = False
         self.backend = None    # what runs it (execute.Backend), set by its first record
@@ -156,6 +156,7 @@ class Graph(object):
         self.retired = []      # node lists of finished flushes (see retire)
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it
+        self.sharing = None    # the jitbatch.map whose samples record here (its read hook)
 
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:
@@ -314,7 +315,7 @@ class Graph(object):
         return len(dropped)
 
     def check_thread(self):
-        if threading.get_ident() != self.thread:
+        if recorder() != self.thread:
             raise StaleValueError(
                 "a lazy array recorded in thread %d was used in thread %d: jitbatch graphs "
                 "are per thread. Fix: read the value (e.g. .asnumpy()) or call "
@@ -333,3 +334,17 @@ def current_graph():
     if g is None:
         g = _local.graph = Graph()
     return g
+
+
+def recorder():
+    """The thread whose graph this thread records into: itself, or the thread
+    whose ``jitbatch.map`` runs a sample here (see :func:`share`)."""
+    owner = getattr(_local, "owner", None)
+    return threading.get_ident() if owner is None else owner
+
+
+def share(graph, owner):
+    """Make this thread record into ``graph``, the graph of thread ``owner``
+    (None: back to a graph of its own, made at its next record)."""
+    _local.graph = graph
+    _local.owner = owner

@@ -8,8 +8,9 @@ measured per recording thread and autograd mode (``Pipe``, held by
 ``Pipelines``). Chunking needs a core free of the framework's kernels
 (``kernels_leave_a_core``)."""
 import os
-import threading
 import time
+
+from .graph import recorder
 
 #: nodes per launch a pipelined chunk must hold at least (see Pipe.feasible)
 CHUNK_MERGE = 4
@@ -163,7 +164,7 @@ class Pipelines(object):
         ``warm``: not the process's first flush (which pays tracing)."""
         if not warm:
             return
-        key = (threading.get_ident(), mode)   # each thread records its own graphs
+        key = (recorder(), mode)   # each thread records its own graphs
         p = self.pipe.get(key)
         if p is None:
             p = self.pipe[key] = Pipe()
@@ -186,7 +187,7 @@ class Pipelines(object):
         record. At the first record after a read a cycle starts: the last
         one's time is measured and the next chunk count chosen (:class:`Pipe`);
         ``launch_price``: what one more launch costs (see ``Pipe.choose``)."""
-        tid = threading.get_ident()
+        tid = recorder()
         p = self.pipe.get((tid, mode))
         if p is not None and p.open:
             return p.size()
@@ -229,7 +230,7 @@ class Pipelines(object):
 
     def of(self, mode):
         """This thread's :class:`Pipe` of autograd mode ``mode`` (or None)."""
-        return self.pipe.get((threading.get_ident(), mode))
+        return self.pipe.get((recorder(), mode))
 
     def report(self):
         """Per recording thread and autograd mode: the chunk count in use and

@@ -16,6 +16,9 @@ Modes:
   hybrid   per-sample code, hybridized (net.hybridize())
   jit      per-sample code under jitbatch: net.hybridize(dynamic_batch=True),
            policy and granularity 'auto'
+  map      the same, with the loop over a minibatch's samples written
+           jitbatch.map(fn, samples): a read inside a sample (moe's routing)
+           waits for the other samples, so one flush serves them all
   hand     the model's hand-batched reference (level-batched trees and
            programs, packed / padded sequences, experts grouped), its blocks
            hybridized; skipped where the model has none
@@ -56,7 +59,8 @@ sys.path.insert(0, ROOT)
 
 from bench_tree_lstm import median, percent, ratio_medians, set_threads, times  # noqa: E402
 
-ALL_MODES = ("plain", "hybrid", "jit", "hand")
+ALL_MODES = ("plain", "hybrid", "jit", "map", "hand")
+JIT_MODES = ("jit", "map")   # the modes that run under jitbatch
 SLOW_WARM = 4   # samples in the warm-up minibatch of a slow (per-sample) mode
 WORKLOADS = ("train", "infer")
 
@@ -78,7 +82,7 @@ def build_parser():
                     help="timed minibatches per round (both workloads) for --slow-modes")
     ap.add_argument("--slow-modes", default="plain,hybrid")
     ap.add_argument("--settle", type=int, default=16,
-                    help="untimed minibatches per workload the jit mode runs before the "
+                    help="untimed minibatches per workload each jit mode runs before the "
                          "rounds, so 'auto''s online choices have settled; 0: none")
     ap.add_argument("--train-size", type=int, default=None,
                     help="samples per training minibatch (default: the model's, 32 or 25)")
@@ -137,6 +141,25 @@ class Runner(object):
                                              {"learning_rate": 0.02, "wd": 1e-4})
         self.hand = entry.hand(self.nets["hand"]) if entry.hand and "hand" in modes else None
         self.current = self.net = self.trainer = None
+        self.jitbatch = None
+
+    def per_sample(self, samples, losses=True):
+        """Every sample's output (and loss): a loop, or jitbatch.map in mode 'map'."""
+        entry = self.entry
+        if self.current != "map":
+            if losses:
+                return entry.per_sample(self.net, samples)
+            return [entry.forward(self.net, s) for s in samples], None
+        if self.jitbatch is None:
+            import jitbatch
+            self.jitbatch = jitbatch
+        net = self.net
+
+        def one(s):
+            out = entry.forward(net, s)
+            return out, (entry.loss(net, s, out) if losses else None)
+        pairs = self.jitbatch.map(one, samples)
+        return [o for o, _ in pairs], [l for _, l in pairs]
 
     def mode(self, name):
         self.current = name
@@ -148,7 +171,7 @@ class Runner(object):
             if self.current == "hand":
                 total = nd.sum(self.hand.loss(batch, self.hand.forward(batch)))
             else:
-                _, losses = self.entry.per_sample(self.net, batch)
+                _, losses = self.per_sample(batch)
                 total = nd.add_n(*losses)
         total.backward()
         if update:
@@ -159,7 +182,7 @@ class Runner(object):
     def infer_step(self, batch):
         if self.current == "hand":
             return self.hand.forward(batch).asnumpy()
-        outs = [self.entry.forward(self.net, s) for s in batch]
+        outs, _ = self.per_sample(batch, losses=False)
         return self.nd.concat(*outs, dim=0).asnumpy()
 
 
@@ -208,8 +231,8 @@ def bench_model(args, entry, tqdm, jitbatch):
     for m, err in sorted(errors.items()):
         print("  mode %s FAILED and is left out: %s" % (m, err))
     step = {"train": run.train_step, "infer": run.infer_step}
-    if "jit" in names and args.settle:
-        run.mode("jit")
+    for m in (m for m in JIT_MODES if m in names and args.settle):
+        run.mode(m)
         for w in args.workload_list:
             for i in range(args.settle):
                 step[w](data[w][i % counts[w]])
@@ -221,7 +244,7 @@ def bench_model(args, entry, tqdm, jitbatch):
     # them compare that minibatch in every mode
     first_rates = {w: {m: [] for m in names} for w in args.workload_list}
     busy = {w: {m: [] for m in names} for w in args.workload_list}
-    counters = {w: {} for w in args.workload_list}
+    counters = {w: {m: {} for m in JIT_MODES} for w in args.workload_list}
     bar = tqdm(total=args.rounds * len(args.workload_list) * len(names), desc=entry.name,
                leave=False, file=sys.stderr)
     for r in range(args.rounds):
@@ -242,8 +265,8 @@ def bench_model(args, entry, tqdm, jitbatch):
                 dt = time.perf_counter() - t0
                 busy[w][m].append((time.thread_time() - c0) / dt)
                 rates[w][m].append(n * sizes[w] / dt)
-                if m == "jit":
-                    add_counters(counters[w], jitbatch.stats(), n)
+                if m in JIT_MODES:
+                    add_counters(counters[w][m], jitbatch.stats(), n)
                 bar.update()
     bar.close()
     result = {"summary": entry.summary, "first_loss": loss, "errors": errors,
@@ -253,11 +276,13 @@ def bench_model(args, entry, tqdm, jitbatch):
                      "main_thread_busy": median(busy[w][m]),
                      "timed_batches": args.slow_batches if m in args.slow else counts[w]}
                  for m in names}
-        ratios = {"jit_vs_hand": ratio_medians(rates[w], "jit", "hand"),
-                  "jit_vs_hybrid": ratio_medians(first_rates[w], "jit", "hybrid"),
-                  "hand_vs_hybrid": ratio_medians(first_rates[w], "hand", "hybrid")}
-        result["workloads"][w] = {"minibatch": sizes[w], "modes": table, "ratios": ratios,
-                                  "jit_per_step": per_step(counters[w])}
+        ratios = {"hand_vs_hybrid": ratio_medians(first_rates[w], "hand", "hybrid")}
+        for m in JIT_MODES:
+            ratios[m + "_vs_hand"] = ratio_medians(rates[w], m, "hand")
+            ratios[m + "_vs_hybrid"] = ratio_medians(first_rates[w], m, "hybrid")
+        result["workloads"][w] = {"minibatch": sizes[w], "modes": table, "ratios": ratios}
+        for m in JIT_MODES:
+            result["workloads"][w][m + "_per_step"] = per_step(counters[w][m])
     print_model(result, names)
     return result
 
@@ -296,32 +321,35 @@ def print_model(result, names):
             for w in ws))
     for w in ws:
         r = result["workloads"][w]["ratios"]
-        print("%-5s jit/hand %s  jit/hybrid %s  (hand/hybrid %s)"
-              % (w, times(r["jit_vs_hand"]), times(r["jit_vs_hybrid"]),
-                 times(r["hand_vs_hybrid"])))
-        s = result["workloads"][w]["jit_per_step"]
-        if s and not s["nodes"]:
-            print("      jit recorded nothing in the timed steps: its calls ran eagerly "
-                  "(after flushes that merged nothing, 'auto' stops recording for a while)")
-        elif s:
-            print("      jit per step: %.0f nodes, %.1f launches, %.2f flushes (%.2f forced, "
-                  "%.2f pipelined); analysis %.1f ms, execute %.1f ms; flushes by policy %s, "
-                  "last %s (%s)"
-                  % (s["nodes"], s["launches"], s["flushes"], s["forced_flushes"],
-                     s["pipelined_flushes"], 1e3 * s["analysis_seconds"],
-                     1e3 * s["execute_seconds"], s["policies"], s["last_policy"],
-                     s["last_why"]))
+        for m in (m for m in JIT_MODES if m in names):
+            print("%-5s %s/hand %s  %s/hybrid %s  (hand/hybrid %s)"
+                  % (w, m, times(r[m + "_vs_hand"]), m, times(r[m + "_vs_hybrid"]),
+                     times(r["hand_vs_hybrid"])))
+            s = result["workloads"][w][m + "_per_step"]
+            if s and not s["nodes"]:
+                print("      %s recorded nothing in the timed steps: its calls ran eagerly "
+                      "(after flushes that merged nothing, 'auto' stops recording for a "
+                      "while)" % m)
+            elif s:
+                print("      %s per step: %.0f nodes, %.1f launches, %.2f flushes (%.2f "
+                      "forced, %.2f pipelined); analysis %.1f ms, execute %.1f ms; flushes "
+                      "by policy %s, last %s (%s)"
+                      % (m, s["nodes"], s["launches"], s["flushes"], s["forced_flushes"],
+                         s["pipelined_flushes"], 1e3 * s["analysis_seconds"],
+                         1e3 * s["execute_seconds"], s["policies"], s["last_policy"],
+                         s["last_why"]))
 
 
-def print_summary(results, workloads):
+def print_summary(results, workloads, modes):
     print("\nsummary: median of per-round ratios")
     head = "".join("%15s %15s" % (w + " vs hand", w + " vs hybrid") for w in workloads)
-    print("%-14s%s" % ("jit", head))
-    for name, res in results.items():
-        print("%-14s" % name + "".join(
-            "%15s %15s" % (times(res["workloads"][w]["ratios"]["jit_vs_hand"]),
-                           times(res["workloads"][w]["ratios"]["jit_vs_hybrid"]))
-            for w in workloads))
+    for m in modes:
+        print("%-14s%s" % (m, head))
+        for name, res in results.items():
+            print("%-14s" % name + "".join(
+                "%15s %15s" % (times(res["workloads"][w]["ratios"][m + "_vs_hand"]),
+                               times(res["workloads"][w]["ratios"][m + "_vs_hybrid"]))
+                for w in workloads))
 
 
 def main(argv=None, script=None):
@@ -343,8 +371,9 @@ def main(argv=None, script=None):
     results = {}
     for name in models:
         results[name] = bench_model(args, MODELS[name], tqdm, jitbatch)
-    if "jit" in args.mode_list:
-        print_summary(results, args.workload_list)
+    jit_modes = [m for m in JIT_MODES if m in args.mode_list]
+    if jit_modes:
+        print_summary(results, args.workload_list, jit_modes)
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)

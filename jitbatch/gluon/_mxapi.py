@@ -18,6 +18,7 @@ except ImportError:  # running from source without Cython installed
 
 import numpy as np
 from mxnet import autograd
+from mxnet.context import Context, current_context
 from mxnet import ndarray as nd
 from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint, py_str
 from mxnet.contrib import autograd as contrib_autograd
@@ -176,6 +177,25 @@ def autograd_state():
 def mode_scope(mode):
     """A scope running under the autograd ``(recording, training)`` state ``mode``."""
     return autograd._RecordingStateScope(mode[0], mode[1])  # pylint: disable=protected-access
+
+
+_DEVICE = Context._default_ctx   # pylint: disable=protected-access
+
+
+def default_device():
+    """``mx.context.current_context()`` of this thread."""
+    return getattr(_DEVICE, "value", None) or current_context()
+
+
+def adopt_state(mode, device):
+    """Make this thread's autograd state ``mode`` and default device ``device``
+    (a ``jitbatch.map`` worker takes its caller's; nothing restores them: a
+    worker runs nothing else)."""
+    if autograd_state() != mode:
+        autograd.set_recording(mode[0])
+        autograd.set_training(mode[1])
+    if getattr(_DEVICE, "value", None) is not device:
+        _DEVICE.value = device
 
 
 _NP_STATE = _NumpyArrayScope._current   # pylint: disable=protected-access

@@ -7,7 +7,6 @@ which runs the pending graph (``force``) and reads this array's rows of its
 launch's output (``row_value``). Views (``x[i]``, ``x[a:b]`` on axis 0) are
 free: rows of the producer's output, no node."""
 import numbers
-from threading import get_ident as _get_ident
 
 try:
     import cython   # compiled: lazy arrays are made and freed in C (lazy.pxd)
@@ -19,7 +18,7 @@ from mxnet.ndarray import NDArray
 
 from .. import execute
 from ..errors import StaleValueError
-from ..graph import Composite, Ref
+from ..graph import Composite, Ref, recorder
 from . import _mxapi
 from .layout import extent
 
@@ -122,7 +121,7 @@ class LazyArray(NDArray, Ref):
         self._node = DETACHED
         self._view = None
         g = node.graph
-        if not g.executing and g.thread == _get_ident():
+        if not g.executing and g.thread == recorder():
             # a read: what flushes kept is freed while the kernels run (also
             # after a flush that a backward forced and released already)
             if g.retired or g.kept:
@@ -363,8 +362,13 @@ def force(node):
             "this lazy array (%s, recorded at %s) was still pending when "
             "jitbatch.uninstall() ran; nothing can compute it now. Fix: call "
             "jitbatch.flush() (or read the values) before uninstalling." % (node.info.name, node.site))
-    node.graph.check_thread()
-    execute.run_graph(node.graph, forced=True, reason="read")
+    g = node.graph
+    g.check_thread()
+    if g.sharing is not None:   # jitbatch.map: the other samples record first
+        g.sharing.wait(node)
+        if node.batch is not None:
+            return
+    execute.run_graph(g, forced=True, reason="read")
     if node.batch is None:
         if node.error is not None:
             raise StaleValueError("the graph of this lazy array failed: %s" % node.error) from node.error

@@ -70,7 +70,10 @@ def _begin(g, cfg, mode_):
     if cfg is not None:
         gr.policy, gr.budget, gr.granularity = cfg.policy, cfg.budget, cfg.granularity
     gr.backend = BACKEND
-    gr.limit = limit(gr.policy or "auto", mode_)
+    # the samples of a jitbatch.map park at their reads: a pipelined chunk cut
+    # while they record would run apart what their read flush merges
+    gr.limit = _config.max_pending if gr.sharing is not None else \
+        limit(gr.policy or "auto", mode_)
 
 
 def before_write(target):

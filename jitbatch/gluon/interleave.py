@@ -1,0 +1,190 @@
+"""``jitbatch.map``: a minibatch's samples side by side, so a read waits for the others.
+
+A per-sample program that reads a value (``int(x.argmax().asscalar())`` to
+route a sample) runs its graph at every read, so in a plain loop only what
+is pending at that moment merges. ``map(fn, items)`` runs ``fn(item)`` for
+every item, each in a thread of its own but one at a time (a baton passed
+between them): a sample whose read needs a pending value parks there and the
+next sample runs; when no sample can go on, one flush computes what all of
+them wait for, and they go on in the order they parked. So each read point
+costs one merged flush per minibatch, not one per sample. The samples record
+into the caller's graph (``graph.share``) under the caller's autograd state
+and default device; their Python side effects interleave at reads, as
+threads' do."""
+import threading
+from collections import deque
+
+from .. import config, execute
+from ..graph import current_graph, recorder, share
+from . import _mxapi
+from .modes import forget_mode
+
+__all__ = ["map_samples"]
+
+_here = threading.local()   # .task: the sample this worker thread runs
+_IDLE = []                   # workers waiting for a sample (list.pop/append: atomic)
+
+
+class _Aborted(BaseException):
+    """Unwinds a parked sample after another sample failed (or the caller was
+    interrupted): raised at its read, caught by its worker."""
+
+
+class _Worker(threading.Thread):
+    """A pool thread: runs one sample at a time, as long as the process lives."""
+
+    def __init__(self):
+        super(_Worker, self).__init__(name="jitbatch-map", daemon=True)
+        self.baton = threading.Lock()
+        self.baton.acquire()    # held while the thread may not run; released to wake it
+        self.task = None
+
+    def run(self):
+        while True:
+            self.baton.acquire()
+            task = self.task
+            task.run.body(task)
+
+
+class _Task(object):
+    __slots__ = ("run", "index", "item", "result", "error", "worker")
+
+    def __init__(self, run, index, item):
+        self.run, self.index, self.item = run, index, item
+        self.result = self.error = self.worker = None
+
+
+class _Run(object):
+    """One ``map`` call: its samples, which can run (``ready``), which wait at a
+    read (``parked``), and the caller's state each sample runs under."""
+
+    def __init__(self, fn, items, graph):
+        self.fn = fn
+        self.graph = graph
+        self.owner = recorder()
+        self.mode = _mxapi.autograd_state()
+        self.device = _mxapi.default_device()
+        self.tasks = [_Task(self, i, x) for i, x in enumerate(items)]
+        self.ready = deque(self.tasks)
+        self.parked = []
+        self.failed = []        # samples whose fn raised, in the order they raised
+        self.aborted = False
+        self.caller = threading.Lock()
+        self.caller.acquire()
+
+    def go(self):
+        """Run every sample (the caller's thread waits); their results in order."""
+        self.graph.sharing = self
+        # a window of eager calls ('auto' found nothing to merge in flushes of one
+        # sample each) ends: side by side, the samples' calls can merge
+        self.graph.passthrough = 0
+        # and no pipelined chunk cuts the graph while they record (record._begin)
+        self.graph.limit = config.max_pending
+        try:
+            self.wake(self.ready.popleft())
+            try:
+                self.caller.acquire()
+            except BaseException:
+                # interrupted: the running sample goes on to its next read or its
+                # end, the parked ones unwind, the unstarted ones never start
+                self.aborted = True
+                self.caller.acquire()
+                raise
+        finally:
+            self.graph.sharing = None
+        if self.failed:
+            task = self.failed[0]
+            err = task.error
+            err.add_note("(in jitbatch.map: raised by fn(items[%d]), %d samples in all; the "
+                         "samples not finished then were stopped at their next read)"
+                         % (task.index, len(self.tasks)))
+            raise err
+        return [t.result for t in self.tasks]
+
+    def wake(self, task):
+        """Give the baton to ``task`` (its first start or a resume)."""
+        forget_mode()   # the graph's kept autograd state was read in another thread
+        w = task.worker
+        if w is None:
+            try:
+                w = _IDLE.pop()
+            except IndexError:
+                w = _Worker()
+                w.start()
+            task.worker = w
+            w.task = task
+        w.baton.release()
+
+    def next(self):
+        """The baton holder parks or ends: the next ready sample runs; with
+        none ready, the last parked one (it runs the graph for all); with
+        none parked either, the caller returns."""
+        if self.aborted:
+            self.ready = deque(t for t in self.ready if t.worker is not None)
+        if self.ready:
+            self.wake(self.ready.popleft())
+        elif self.parked:
+            self.wake(self.parked.pop())
+        else:
+            self.caller.release()
+
+    def body(self, task):
+        """Run one sample (in its worker's thread) and pass the baton on."""
+        share(self.graph, self.owner)
+        _here.task = task
+        try:
+            if self.aborted:
+                raise _Aborted()
+            _mxapi.adopt_state(self.mode, self.device)
+            task.result = self.fn(task.item)
+        except _Aborted:
+            pass
+        except BaseException as e:   # pylint: disable=broad-except
+            task.error = e
+            self.failed.append(task)
+            self.aborted = True
+        finally:
+            _here.task = None
+            share(None, None)
+        w = task.worker
+        w.task = None
+        _IDLE.append(w)
+        self.next()
+
+    def wait(self, node):
+        """A read of ``node`` (pending) in a sample: park while other samples
+        can record; when none can, run the graph here for all the parked ones,
+        which can go on after this one. Returns with ``node`` computed, or
+        pending for the caller (``lazy.force``) to run its graph."""
+        task = getattr(_here, "task", None)
+        if task is None or task.run is not self:
+            return      # the caller's own thread, or a thread of another map
+        while node.batch is None and self.ready:
+            self.parked.append(task)
+            self.next()
+            task.worker.baton.acquire()
+            if self.aborted:
+                raise _Aborted()
+        if node.batch is None:
+            try:
+                execute.run_graph(self.graph, forced=True, reason="read")
+            finally:
+                self.ready.extend(self.parked)
+                self.parked = []
+
+
+def map_samples(fn, items):
+    """``[fn(item) for item in items]``, the samples side by side: ``fn(item)``
+    runs for each item, one sample at a time, and a sample that reads a pending
+    value (``.asscalar()``, ``.asnumpy()``, ``int(...)``) waits there until the
+    other samples have recorded what they can, so one flush serves all of
+    their reads. Results in the items' order; the first exception raised (in
+    time) is raised, naming its item, and the other samples stop at their next
+    read. Python side effects of ``fn`` interleave at reads, as threads' do.
+    Inside a sample (a nested call) or with fewer than two items it is the
+    plain loop."""
+    items = list(items)
+    g = current_graph()
+    if len(items) < 2 or g.sharing is not None or getattr(_here, "task", None) is not None:
+        return [fn(x) for x in items]
+    return _Run(fn, items, g).go()
