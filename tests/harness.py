@@ -7,7 +7,8 @@ import jitbatch
 
 
 def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
-        granularity="auto"):
+        granularity="auto", mapped=False):
+    """``mapped``: the samples through ``jitbatch.map`` instead of a loop."""
     if flag:
         net.hybridize(dynamic_batch=True, policy=policy, granularity=granularity)
     elif hybridize_plain:
@@ -18,13 +19,17 @@ def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
     for p in params.values():
         if p.grad_req != "null" and p._data is not None:
             p.zero_grad()
+    def each():
+        if mapped:
+            return jitbatch.map(lambda s: apply(net, s), samples)
+        return [apply(net, s) for s in samples]
     if train:
         with autograd.record():
-            res = [apply(net, s) for s in samples]
+            res = each()
             total = nd.add_n(*[r[1] for r in res])
         total.backward()
     else:
-        res = [apply(net, s) for s in samples]
+        res = each()
     outs = [r[0].asnumpy() for r in res] + [r[1].asnumpy() for r in res]
     grads = {k: p.grad().asnumpy().copy() for k, p in params.items()
              if train and p.grad_req != "null"}

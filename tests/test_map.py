@@ -187,7 +187,7 @@ def test_an_error_in_one_sample_stops_the_others_names_its_item_and_the_next_cal
 
     with pytest.raises(ValueError, match="bad sample") as info:
         jitbatch.map(fn, range(8))
-    assert any("fn(items[5])" in n for n in getattr(info.value, "__notes__", []))
+    assert any("item 5," in n for n in getattr(info.value, "__notes__", []))
     # the samples before it in the baton's order finished; none after it did
     assert 5 not in finished and len(finished) < 8
     assert interleave._here.__dict__.get("task") is None   # pylint: disable=protected-access
@@ -207,6 +207,17 @@ def test_a_nested_map_and_short_inputs_are_the_plain_loop():
             assert_close(y, w, "nested output")
     assert jitbatch.map(lambda x: x * 2, [3]) == [6]
     assert jitbatch.map(lambda x: x, []) == []
+    with pytest.raises(TypeError, match="at least one iterable"):
+        jitbatch.map(len)
+
+
+def test_several_iterables_give_each_call_one_item_of_each_up_to_the_shortest():
+    net = _router(True)
+    xs = _inputs(5)
+    got = jitbatch.map(lambda x, w: net(x) * w, xs, [1.0, 2.0, 3.0, 4.0])
+    assert len(got) == 4
+    for g, x, w in zip(got, xs, [1.0, 2.0, 3.0, 4.0]):
+        assert_close(g.asnumpy(), net(x).asnumpy() * w, "output")
 
 
 def test_map_from_two_threads_at_once_keeps_each_callers_samples_apart():

@@ -136,6 +136,9 @@ class Program(gluon.Block):
             vals.append(nd.expand_dims(a[0][0], axis=0))
         elif op == "broadcast":
             vals.append(nd.broadcast_mul(a[0], nd.sum(a[1], axis=0, keepdims=True)))
+        elif op == "read":     # a value read in Python steers the program
+            k = int(a[0].argmax(axis=1).asscalar())
+            vals.append(self.one(a[1]) if k % 2 else a[1] * 0.5)
         else:
             raise ValueError(op)
 
@@ -143,6 +146,7 @@ class Program(gluon.Block):
 ARITY = {"one": 1, "shared": 1, "two": 2, "three": 3, "unflagged": 1, "arith": 2,
          "add_n": 3, "concat_slice": 2, "expand_sum": 2, "reshape": 1, "reduce": 2,
          "index": 1, "broadcast": 2}
+ARITY_READS = dict(ARITY, read=2)    # ... and reads that steer a sample's program
 
 
 @st.composite
@@ -209,6 +213,27 @@ def test_generated_programs_match_plain_gluon(progs, train, buckets):
             assert_same(ref, got, rtol=1e-4, atol=1e-5)
     finally:
         jitbatch.config.row_buckets = saved
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(programs(ARITY_READS), min_size=2, max_size=5), st.booleans())
+def test_generated_programs_with_reads_match_plain_gluon_under_map(progs, train):
+    """The samples through ``jitbatch.map``, whose programs read values (a read
+    parks the sample until the others have recorded what they can), under every
+    policy: plain per-sample Gluon's outputs and gradients."""
+    net = _net()
+    samples = []
+    for n_in, prog, seed in progs:
+        rng = np.random.default_rng(seed)
+        samples.append((nd.array(rng.normal(size=(n_in, W))), prog))
+    ref = run(net, apply, samples, train, flag=False)
+    for policy, gran in (("auto", "auto"), ("depth", "auto"), ("agenda", "auto"),
+                         ("sequential", "auto"), ("agenda", "split")):
+        got = run(net, apply, samples, train, flag=True, policy=policy, granularity=gran,
+                  mapped=True)
+        net.unflagged.hybridize(active=False)
+        assert_same(ref, got, rtol=1e-4, atol=1e-5)
 
 
 # -- issue 19: the batch-axis contract -----------------------------------------------------

@@ -95,7 +95,7 @@ class _Run(object):
         if self.failed:
             task = self.failed[0]
             err = task.error
-            err.add_note("(in jitbatch.map: raised by fn(items[%d]), %d samples in all; the "
+            err.add_note("(in jitbatch.map: raised by the call of item %d, %d items in all; the "
                          "samples not finished then were stopped at their next read)"
                          % (task.index, len(self.tasks)))
             raise err
@@ -136,7 +136,7 @@ class _Run(object):
             if self.aborted:
                 raise _Aborted()
             _mxapi.adopt_state(self.mode, self.device)
-            task.result = self.fn(task.item)
+            task.result = self.fn(*task.item)
         except _Aborted:
             pass
         except BaseException as e:   # pylint: disable=broad-except
@@ -173,9 +173,10 @@ class _Run(object):
                 self.parked = []
 
 
-def map_samples(fn, items):
-    """``[fn(item) for item in items]``, the samples side by side: ``fn(item)``
-    runs for each item, one sample at a time, and a sample that reads a pending
+def map_samples(fn, *iterables):
+    """``list(map(fn, *iterables))``, the samples side by side: ``fn(item)``
+    runs for each item (``fn(a, b)`` for each pair of two iterables, up to the
+    shortest, as the builtin ``map``), one sample at a time; a sample that reads a pending
     value (``.asscalar()``, ``.asnumpy()``, ``int(...)``) waits there until the
     other samples have recorded what they can, so one flush serves all of
     their reads. Results in the items' order; the first exception raised (in
@@ -183,8 +184,10 @@ def map_samples(fn, items):
     read. Python side effects of ``fn`` interleave at reads, as threads' do.
     Inside a sample (a nested call) or with fewer than two items it is the
     plain loop."""
-    items = list(items)
+    if not iterables:
+        raise TypeError("jitbatch.map(fn, items, ...) needs at least one iterable of items")
+    items = list(zip(*iterables))     # each item: the arguments of one call
     g = current_graph()
     if len(items) < 2 or g.sharing is not None or getattr(_here, "task", None) is not None:
-        return [fn(x) for x in items]
+        return [fn(*args) for args in items]
     return _Run(fn, items, g).go()
