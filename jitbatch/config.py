@@ -52,3 +52,9 @@ row_buckets = 16
 #: rule: jitbatch.gluon.contract) runs its calls one per sample and warns once
 #: (``jitbatch.ContractWarning``); True raises ``BatchingError`` there instead
 strict = False
+
+#: ``jitbatch.map`` runs at most this many samples at once, each in a thread
+#: of its own (kept for the process): the samples past it start as earlier
+#: ones end, so a minibatch larger than it flushes each read point once per
+#: this many samples
+map_threads = 256

@@ -261,3 +261,23 @@ def test_moe_with_gate_routing_merges_under_map():
     # runs one flush per sample for the gates alone
     assert st["flushes"] == 3, st
     assert st["launches"] < st["nodes"] / 2, st
+
+
+def test_a_minibatch_larger_than_the_thread_cap_runs_in_groups_of_that_many():
+    xs = _inputs(10)
+    plain = _router(False)
+    net = _router(True)
+    _copy_params(plain, net)
+    saved = jitbatch.config.map_threads
+    jitbatch.config.map_threads = 3
+    try:
+        jitbatch.flush()
+        jitbatch.reset_stats()
+        got = jitbatch.map(net, xs)
+        out = nd.concat(*got, dim=0).asnumpy()
+        st = jitbatch.stats()
+    finally:
+        jitbatch.config.map_threads = saved
+    assert_close(out, nd.concat(*[plain(x) for x in xs], dim=0).asnumpy(), "outputs")
+    # a read flush per group of three (3, 3, 3, 1 samples), then the caller's read
+    assert st["flushes"] == 5, st

@@ -65,8 +65,10 @@ class _Run(object):
         self.mode = _mxapi.autograd_state()
         self.device = _mxapi.default_device()
         self.tasks = [_Task(self, i, x) for i, x in enumerate(items)]
-        self.ready = deque(self.tasks)
+        self.fresh = deque(self.tasks)   # not started yet
+        self.ready = deque()             # started, can go on (parked before a flush)
         self.parked = []
+        self.running = 0                 # started and not ended (each holds a thread)
         self.failed = []        # samples whose fn raised, in the order they raised
         self.aborted = False
         self.caller = threading.Lock()
@@ -81,7 +83,7 @@ class _Run(object):
         # and no pipelined chunk cuts the graph while they record (record._begin)
         self.graph.limit = config.max_pending
         try:
-            self.wake(self.ready.popleft())
+            self.wake(self.fresh.popleft())
             try:
                 self.caller.acquire()
             except BaseException:
@@ -106,6 +108,7 @@ class _Run(object):
         forget_mode()   # the graph's kept autograd state was read in another thread
         w = task.worker
         if w is None:
+            self.running += 1
             try:
                 w = _IDLE.pop()
             except IndexError:
@@ -115,14 +118,18 @@ class _Run(object):
             w.task = task
         w.baton.release()
 
+    def can_start(self):
+        """A sample not started yet may start now (a thread is free for it)."""
+        return bool(self.fresh) and not self.aborted and self.running < config.map_threads
+
     def next(self):
-        """The baton holder parks or ends: the next ready sample runs; with
-        none ready, the last parked one (it runs the graph for all); with
-        none parked either, the caller returns."""
-        if self.aborted:
-            self.ready = deque(t for t in self.ready if t.worker is not None)
+        """The baton holder parks or ends: the next ready sample runs, else a
+        new one; with neither, the last parked one (it runs the graph for
+        all); with none parked either, the caller returns."""
         if self.ready:
             self.wake(self.ready.popleft())
+        elif self.can_start():
+            self.wake(self.fresh.popleft())
         elif self.parked:
             self.wake(self.parked.pop())
         else:
@@ -148,6 +155,7 @@ class _Run(object):
             share(None, None)
         w = task.worker
         w.task = None
+        self.running -= 1
         _IDLE.append(w)
         self.next()
 
@@ -159,7 +167,7 @@ class _Run(object):
         task = getattr(_here, "task", None)
         if task is None or task.run is not self:
             return      # the caller's own thread, or a thread of another map
-        while node.batch is None and self.ready:
+        while node.batch is None and (self.ready or self.can_start()):
             self.parked.append(task)
             self.next()
             task.worker.baton.acquire()
