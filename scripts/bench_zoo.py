@@ -38,8 +38,9 @@ mode's rate on the first timed minibatch of each round, which all modes time
 code compare all timed minibatches.
 
 Columns: samples/s (median over rounds), main busy (CPU time of the thread
-running the steps over their wall time: near 100% means the step waits on
-Python, MXNet's kernels run on other threads). Per model, the jit mode's
+running the steps, with jitbatch.map's pool threads in mode 'map', over their
+wall time: near 100% means the step waits on Python, MXNet's kernels run on
+other threads). Per model, the jit mode's
 jitbatch counters per timed step: recorded nodes, launches, flushes (forced:
 by a value read), and the policies 'auto' chose.
 
@@ -257,13 +258,14 @@ def bench_model(args, entry, tqdm, jitbatch):
                 run.mode(m)
                 step[w](warm)
                 jitbatch.reset_stats()
-                c0, t0 = time.thread_time(), time.perf_counter()
+                c0, t0 = python_cpu(), time.perf_counter()
                 for i in range(n):
                     step[w](data[w][i])     # ends with a read: the step is done
                     if i == 0:
                         first_rates[w][m].append(sizes[w] / (time.perf_counter() - t0))
                 dt = time.perf_counter() - t0
-                busy[w][m].append((time.thread_time() - c0) / dt)
+                c1 = python_cpu()
+                busy[w][m].append(sum(c1[t] - c0.get(t, 0.0) for t in c1) / dt)
                 rates[w][m].append(n * sizes[w] / dt)
                 if m in JIT_MODES:
                     add_counters(counters[w][m], jitbatch.stats(), n)
@@ -285,6 +287,20 @@ def bench_model(args, entry, tqdm, jitbatch):
             result["workloads"][w][m + "_per_step"] = per_step(counters[w][m])
     print_model(result, names)
     return result
+
+
+def python_cpu():
+    """CPU seconds of the threads that run Python steps, by thread: this one and
+    jitbatch.map's pool threads (the samples of mode 'map' run there)."""
+    import threading
+    out = {threading.get_ident(): time.thread_time()}
+    for t in threading.enumerate():
+        if t.name == "jitbatch-map" and t.ident is not None:
+            try:
+                out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):   # the thread ended meanwhile
+                pass
+    return out
 
 
 def add_counters(acc, st, steps):

@@ -5,7 +5,8 @@ hand-batched reference of the same math on the same parameters.
 ``MODELS`` maps a name to its :class:`~examples.zoo.common.Entry`;
 ``scripts/bench_zoo.py`` times them, ``tests/test_zoo.py`` checks them.
 See ``examples/zoo/README.rst``."""
-from . import attention, fused_gru, graph_net, gru_seq, module_net, moe, tree_leaf, tree_sentence
+from . import (attention, fused_gru, graph_net, greedy_decode, gru_seq, module_net, moe, tree_leaf,
+               tree_sentence)
 from .common import Entry
 
 __all__ = ["MODELS", "Entry"]
@@ -28,6 +29,12 @@ MODELS = {e.name: e for e in [
           "the same, its attention block taking the key count, keys declared zero-paddable "
           "(README: per-sample code that batches well)",
           options=dict(masked=True), tiny=_TINY, tiny_data=dict(vocab=20, max_len=6)),
+    # a read per sample per decoding step: a plain loop flushes at each, so a flush
+    # holds one sample's step (and the previous sample's loss), nothing to merge with
+    Entry("greedy_decode", greedy_decode,
+          "GRU encoder (3-15 tokens), greedy GRU decoder reading its argmax per step "
+          "(up to 8 steps)",
+          tiny=_TINY, tiny_data=dict(vocab=20, max_len=6), merges=False),
     Entry("graph_net", graph_net,
           "message passing over a random graph (5-20 nodes, 3 rounds), mean read-out",
           tiny=dict(types=8, hidden=5), tiny_data=dict(types=8, max_nodes=7)),
