@@ -281,3 +281,22 @@ def test_a_minibatch_larger_than_the_thread_cap_runs_in_groups_of_that_many():
     assert_close(out, nd.concat(*[plain(x) for x in xs], dim=0).asnumpy(), "outputs")
     # a read flush per group of three (3, 3, 3, 1 samples), then the caller's read
     assert st["flushes"] == 5, st
+
+
+def test_the_callers_window_of_eager_calls_is_the_same_after_a_map():
+    # a plain loop whose every flush holds one sample: 'auto' runs the calls
+    # after it eagerly for a while; a map in between merges, and must leave
+    # that window (and its streak) as the loop left it
+    net = _router(True, policy="auto")
+    xs = _inputs(8)
+    jitbatch.flush()
+    for x in xs:
+        net(x).asnumpy()
+    g = jitbatch.current_graph()
+    before = (g.passthrough, g.quiet)
+    assert before[0] > 0
+    jitbatch.reset_stats()
+    outs = jitbatch.map(net, xs)
+    assert jitbatch.stats()["flushes"] == 1       # the samples' reads: one flush
+    assert (g.passthrough, g.quiet) == before
+    nd.concat(*outs, dim=0).asnumpy()

@@ -76,10 +76,14 @@ class _Run(object):
 
     def go(self):
         """Run every sample (the caller's thread waits); their results in order."""
-        self.graph.sharing = self
+        g = self.graph
+        g.sharing = self
         # a window of eager calls ('auto' found nothing to merge in flushes of one
-        # sample each) ends: side by side, the samples' calls can merge
-        self.graph.passthrough = 0
+        # sample each) ends while the samples run side by side (see wake), and
+        # the caller's own window and streak come back after: the map's flushes
+        # say nothing of what the caller's loop merges
+        window = g.passthrough, g.quiet
+        g.passthrough = 0
         # and no pipelined chunk cuts the graph while they record (record._begin)
         self.graph.limit = config.max_pending
         try:
@@ -93,7 +97,8 @@ class _Run(object):
                 self.caller.acquire()
                 raise
         finally:
-            self.graph.sharing = None
+            g.sharing = None
+            g.passthrough, g.quiet = window
         if self.failed:
             task = self.failed[0]
             err = task.error
@@ -106,6 +111,7 @@ class _Run(object):
     def wake(self, task):
         """Give the baton to ``task`` (its first start or a resume)."""
         forget_mode()   # the graph's kept autograd state was read in another thread
+        self.graph.passthrough = 0
         w = task.worker
         if w is None:
             self.running += 1
