@@ -304,7 +304,9 @@ def _learn(f, graph, nodes, reason):
     cost.MODEL.observe(f.chosen, (len(nodes) - f.staged) if f.looked else 0, f.analysis,
                        len(f.batches), f.execution, f.groups, calibrated=f.calibrate,
                        staged=bool(f.staged))
-    if nodes:
+    if nodes and not graph.unpiped:
+        # (a graph a jitbatch.map's samples recorded runs unchunked, at their
+        # reads: its times say nothing of the caller's own loop)
         PIPELINES.observe(nodes[0].mode, len(nodes) - f.staged, len(f.batches),
                           reason not in _CHUNKS, f.calibrate, warm=cost.MODEL.flushes >= 2)
     merged = f.groups < len(nodes)

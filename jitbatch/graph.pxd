@@ -27,7 +27,7 @@ cdef class Graph:
     cdef public list nodes
     cdef public object thread, backend, policy, budget, granularity
     cdef public Py_ssize_t seq, passthrough, quiet, limit, scope
-    cdef public bint executing, chunk_merged
+    cdef public bint executing, chunk_merged, unpiped
     cdef public list retired, kept, kept_before
     cdef public dict reads
     cdef public object autograd, sharing

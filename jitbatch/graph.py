@@ -157,6 +157,7 @@ class Graph(object):
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it
         self.sharing = None    # the jitbatch.map whose samples record here (its read hook)
+        self.unpiped = False   # recorded (partly) by a map's samples: pipeline learns nothing from it
 
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:

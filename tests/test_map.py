@@ -300,3 +300,20 @@ def test_the_callers_window_of_eager_calls_is_the_same_after_a_map():
     assert jitbatch.stats()["flushes"] == 1       # the samples' reads: one flush
     assert (g.passthrough, g.quiet) == before
     nd.concat(*outs, dim=0).asnumpy()
+
+
+def _pipes():
+    return {k: (p.graph, p.open, p.last, p.launches, p.ended)
+            for k, p in jitbatch.PIPELINES.pipe.items()}
+
+
+def test_the_flushes_of_a_map_teach_the_pipeline_nothing():
+    # the pipelined-chunk search measures the caller's own loop; a map's graphs
+    # run unchunked at their samples' reads, and their times must not count
+    net = _router(True, policy="auto")
+    xs = _inputs(8)
+    jitbatch.flush()
+    before = _pipes()
+    outs = jitbatch.map(net, xs)
+    nd.concat(*outs, dim=0).asnumpy()       # the caller's read, after the map
+    assert _pipes() == before

@@ -84,8 +84,10 @@ class _Run(object):
         # say nothing of what the caller's loop merges
         window = g.passthrough, g.quiet
         g.passthrough = 0
-        # and no pipelined chunk cuts the graph while they record (record._begin)
-        self.graph.limit = config.max_pending
+        # and no pipelined chunk cuts the graph while they record (record._begin),
+        # nor does the pipeline learn from its flushes
+        g.limit = config.max_pending
+        g.unpiped = True
         try:
             self.wake(self.fresh.popleft())
             try:

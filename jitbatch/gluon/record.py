@@ -72,8 +72,8 @@ def _begin(g, cfg, mode_):
     gr.backend = BACKEND
     # the samples of a jitbatch.map park at their reads: a pipelined chunk cut
     # while they record would run apart what their read flush merges
-    gr.limit = _config.max_pending if gr.sharing is not None else \
-        limit(gr.policy or "auto", mode_)
+    gr.unpiped = gr.sharing is not None
+    gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_)
 
 
 def before_write(target):
