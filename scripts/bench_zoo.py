@@ -7,7 +7,10 @@ and trained by its own trainer), two workloads:
 
 * training: a minibatch (32 samples; 25 for the tree models; --train-size
   overrides), forward + one backward of the summed per-sample loss +
-  gluon.Trainer Adagrad step (lr 0.02, wd 1e-4);
+  gluon.Trainer Adagrad step (lr 0.02, wd 1e-4); no step for a model whose
+  work follows its parameters (``greedy_decode``: the decoder runs until it
+  predicts its end), since each mode trains its own copy for a different
+  number of steps and would time different work;
 * inference: a minibatch of --infer-size samples (128), forward only, every
   sample's output (logits) read back to numpy.
 
@@ -31,8 +34,8 @@ runs --settle untimed minibatches per workload ('auto' measures its pipelined
 chunk count as it runs: jitbatch.pipeline.Pipe). Modes are timed in interleaved
 rounds (a warm-up minibatch, then the timed ones, per mode and round); ratios
 are taken within each round and the median over rounds is printed. Per-sample
-modes (--slow-modes) time --slow-batches minibatches per round after a warm-up
-of a few samples. Ratios to a per-sample mode ("vs hybrid") compare every
+modes (--slow-modes) time --slow-batches minibatches per round, after the same
+warm-up minibatch as every mode. Ratios to a per-sample mode ("vs hybrid") compare every
 mode's rate on the first timed minibatch of each round, which all modes time
 (per-sample costs differ between minibatches); ratios to the hand-batched
 code compare all timed minibatches.
@@ -62,7 +65,6 @@ from bench_tree_lstm import median, percent, ratio_medians, set_threads, times  
 
 ALL_MODES = ("plain", "hybrid", "jit", "map", "hand")
 JIT_MODES = ("jit", "map")   # the modes that run under jitbatch
-SLOW_WARM = 4   # samples in the warm-up minibatch of a slow (per-sample) mode
 WORKLOADS = ("train", "infer")
 
 
@@ -175,7 +177,7 @@ class Runner(object):
                 _, losses = self.per_sample(batch)
                 total = nd.add_n(*losses)
         total.backward()
-        if update:
+        if update and not self.entry.steered:
             # a minibatch may leave an expert or a module unused: its gradient is stale
             self.trainer.step(len(batch), ignore_stale_grad=True)
         return total.asscalar()
@@ -236,7 +238,12 @@ def bench_model(args, entry, tqdm, jitbatch):
         run.mode(m)
         for w in args.workload_list:
             for i in range(args.settle):
-                step[w](data[w][i % counts[w]])
+                # no update: the modes' parameters stay alike (the slow modes run
+                # fewer steps in the rounds; a steered model's work follows them)
+                if w == "train":
+                    run.train_step(data[w][i % counts[w]], update=False)
+                else:
+                    step[w](data[w][i % counts[w]])
 
     rates = {w: {m: [] for m in names} for w in args.workload_list}
     # each mode's rate on the first timed minibatch alone: the per-sample modes
@@ -254,7 +261,10 @@ def bench_model(args, entry, tqdm, jitbatch):
                 bar.set_postfix(round=r + 1, workload=w, mode=m)
                 slow = m in args.slow
                 n = args.slow_batches if slow else counts[w]
-                warm = data[w][-1][:SLOW_WARM] if slow else data[w][-1]
+                # every mode warms up on a whole minibatch: a per-sample mode warmed
+                # on a few samples timed its next training minibatch 15% faster
+                # (greedy_decode, hybrid: its main thread waited less for kernels)
+                warm = data[w][-1]
                 run.mode(m)
                 step[w](warm)
                 jitbatch.reset_stats()

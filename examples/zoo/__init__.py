@@ -34,7 +34,7 @@ MODELS = {e.name: e for e in [
     Entry("greedy_decode", greedy_decode,
           "GRU encoder (3-15 tokens), greedy GRU decoder reading its argmax per step "
           "(up to 8 steps)",
-          tiny=_TINY, tiny_data=dict(vocab=20, max_len=6), merges=False),
+          tiny=_TINY, tiny_data=dict(vocab=20, max_len=6), merges=False, steered=True),
     Entry("graph_net", graph_net,
           "message passing over a random graph (5-20 nodes, 3 rounds), mean read-out",
           tiny=dict(types=8, hidden=5), tiny_data=dict(types=8, max_nodes=7)),

@@ -33,10 +33,13 @@ class Entry(object):
     ``tiny``/``tiny_data``: ``build``/``generate`` keyword arguments small enough
     for the tests; ``merges``: whether per-sample calls of different samples
     can share a launch at all (the counters test checks that they do);
-    ``known_failure``: why jitbatch cannot run it today (None: it can)."""
+    ``known_failure``: why jitbatch cannot run it today (None: it can);
+    ``steered``: how much work a sample makes depends on the parameters (a
+    greedy decoder runs until it predicts its end), so the benchmark's
+    training steps leave them as they are: every mode then times the same work."""
 
     def __init__(self, name, module, summary, train_size=32, infer_size=128, options=None,
-                 tiny=None, tiny_data=None, merges=True, known_failure=None):
+                 tiny=None, tiny_data=None, merges=True, known_failure=None, steered=False):
         self.name = name
         self.module = module
         self.summary = summary
@@ -47,6 +50,7 @@ class Entry(object):
         self.tiny = dict(tiny or {})
         self.tiny_data = dict(tiny_data or {})
         self.merges = merges
+        self.steered = steered
 
     @property
     def hand(self):
