@@ -308,7 +308,8 @@ def _learn(f, graph, nodes, reason):
         # (a graph a jitbatch.map's samples recorded runs unchunked, at their
         # reads: its times say nothing of the caller's own loop)
         PIPELINES.observe(nodes[0].mode, len(nodes) - f.staged, len(f.batches),
-                          reason not in _CHUNKS, f.calibrate, warm=cost.MODEL.flushes >= 2)
+                          reason not in _CHUNKS, f.calibrate, warm=cost.MODEL.flushes >= 2,
+                          net=graph.net)
     merged = f.groups < len(nodes)
     if reason in _CHUNKS:
         # a chunk of a graph still recording: the graph is judged as a whole

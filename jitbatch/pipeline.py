@@ -4,8 +4,9 @@ A graph runs only when read, so the kernels of a big batch start after all of
 its recording. Under ``policy='auto'`` a graph may run itself in chunks while
 recording goes on, each chunk's kernels overlapping the next chunk's recording.
 What a chunk count is worth cannot be predicted well from parts, so it is
-measured per recording thread and autograd mode (``Pipe``, held by
-``Pipelines``). Chunking needs a core free of the framework's kernels
+measured per recording thread, autograd mode and network (``Pipe``, held by
+``Pipelines``): one network's times say nothing of another's, which a process
+may train or evaluate between its steps. Chunking needs a core free of the framework's kernels
 (``kernels_leave_a_core``)."""
 import os
 import time
@@ -17,6 +18,8 @@ CHUNK_MERGE = 4
 #: cycles measured per chunk count before counts are compared (median of the last PIPE_KEEP)
 PIPE_SAMPLES = 3
 PIPE_KEEP = 5
+#: pipes kept (per recording thread, autograd mode and network), the oldest dropped
+PIPES_KEPT = 64
 #: cycles after which the other chunk counts are measured again (see Pipe)
 PIPE_REPROBE = 256
 #: more chunks are kept only if their median is this much faster than fewer chunks'
@@ -151,22 +154,31 @@ class Pipe(object):
 
 
 class Pipelines(object):
-    """Every recording thread's and autograd mode's :class:`Pipe`."""
+    """Every recording thread's, autograd mode's and network's :class:`Pipe`."""
 
     def __init__(self):
-        self.pipe = {}               # (thread, autograd mode) -> its Pipe
+        self.pipe = {}               # (thread, autograd mode, network) -> its Pipe
 
-    def observe(self, mode, nodes, launches, ends_graph, calibrated=False, warm=True):
+    def _key(self, mode, net):
+        # a network is the flags object its hybridize call made (id: the pipes
+        # must not keep it alive); at most PIPES_KEPT pipes, the oldest dropped
+        return (recorder(), mode, None if net is None else id(net))
+
+    def observe(self, mode, nodes, launches, ends_graph, calibrated=False, warm=True,
+                net=None):
         """One 'auto' flush of ``nodes`` nodes recorded in ``mode`` (autograd
         recording, training) in ``launches`` launches; ``ends_graph``: a read
         or ``jitbatch.flush()`` ended the graph there (else it was a chunk,
         and recording goes on); ``calibrated``: it waited for every launch;
-        ``warm``: not the process's first flush (which pays tracing)."""
+        ``warm``: not the process's first flush (which pays tracing); ``net``:
+        the flags of the network whose block began the graph."""
         if not warm:
             return
-        key = (recorder(), mode)   # each thread records its own graphs
+        key = self._key(mode, net)   # each thread records its own graphs
         p = self.pipe.get(key)
         if p is None:
+            if len(self.pipe) >= PIPES_KEPT:
+                del self.pipe[next(iter(self.pipe))]
             p = self.pipe[key] = Pipe()
         if nodes >= 2:
             p.launches = _ema(p.launches, launches)
@@ -181,14 +193,15 @@ class Pipelines(object):
             p.valid = False
             p.open = 0
 
-    def limit(self, mode, launch_price=None):
+    def limit(self, mode, launch_price=None, net=None):
         """Pending nodes after which a graph recorded in ``mode`` runs what it
         has while recording goes on (None: never), asked at a graph's first
         record. At the first record after a read a cycle starts: the last
         one's time is measured and the next chunk count chosen (:class:`Pipe`);
         ``launch_price``: what one more launch costs (see ``Pipe.choose``)."""
-        tid = recorder()
-        p = self.pipe.get((tid, mode))
+        key = self._key(mode, net)
+        tid = key[0]
+        p = self.pipe.get(key)
         if p is not None and p.open:
             return p.size()
         now = time.perf_counter()
@@ -197,7 +210,7 @@ class Pipelines(object):
         # a graph of another mode starts here: the ended cycles of this thread's
         # other modes end now, so a training cycle does not count the evaluation
         # run between two training steps (or the other way round)
-        for (t, _), q in self.pipe.items():
+        for (t, _, _), q in self.pipe.items():
             if t == tid and q is not p and q.last and q.end is None:
                 q.end = (now, cpu)
         if p is None or p.graph is None or not p.launches:
@@ -228,16 +241,17 @@ class Pipelines(object):
             p.chunks = c
         return p.size()
 
-    def of(self, mode):
-        """This thread's :class:`Pipe` of autograd mode ``mode`` (or None)."""
-        return self.pipe.get((recorder(), mode))
+    def of(self, mode, net=None):
+        """This thread's :class:`Pipe` of autograd mode ``mode`` and network
+        ``net`` (or None)."""
+        return self.pipe.get(self._key(mode, net))
 
     def report(self):
         """Per recording thread and autograd mode: the chunk count in use and
         the measured microseconds per node of each count (median of the last
         cycles)."""
         out = []
-        for (_, (rec, train)), p in sorted(self.pipe.items()):
+        for (_, (rec, train), _), p in sorted(self.pipe.items(), key=lambda kv: kv[0][:2]):
             if p.graph is None:
                 continue
             medians = ((c, p.median(c)) for c in sorted(p.times))

@@ -23,7 +23,7 @@ def chunks(monkeypatch):
     monkeypatch.setattr(jitbatch.config, "pipeline", True)
     monkeypatch.setattr(pipeline, "FREE_CORE", True)
     size = {"n": None}
-    monkeypatch.setattr(pipeline.Pipelines, "limit", lambda self, mode, price=None: size["n"])
+    monkeypatch.setattr(pipeline.Pipelines, "limit", lambda self, mode, price=None, net=None: size["n"])
     return size
 
 
@@ -306,3 +306,35 @@ def test_a_cycle_with_other_work_before_the_next_graph_is_not_measured(timed):
     # the three cycles followed by 0.05 s are measured (0.25 s each), the three
     # followed by 5 s (other work) are not
     assert m.of(infer).times[1] == [pytest.approx(25e-6)] * 3, m.of(infer).times
+
+
+def test_each_network_has_a_pipe_of_its_own_and_old_ones_are_dropped():
+    m = pipeline.Pipelines()
+    infer = (False, False)
+    a, b = object(), object()
+    m.observe(infer, 100, 10, True, net=a)
+    assert m.of(infer, net=a) is not None
+    assert m.of(infer, net=b) is None and m.of(infer) is None
+    nets = [object() for _ in range(pipeline.PIPES_KEPT + 5)]
+    for n in nets:
+        m.observe(infer, 100, 10, True, net=n)
+    assert len(m.pipe) == pipeline.PIPES_KEPT
+    assert m.of(infer, net=nets[-1]) is not None and m.of(infer, net=a) is None
+
+
+def test_a_flush_teaches_the_pipe_of_the_network_that_began_its_graph():
+    # two networks in one process (training one, evaluating another): the times
+    # of one network's graphs must not choose the other's chunk count
+    nets = []
+    for _ in range(2):
+        net = nn.Dense(3, in_units=3)
+        net.initialize()
+        net.hybridize(dynamic_batch=True, policy="auto")
+        nets.append(net)
+    a, b = nets
+    infer = (False, False)
+    for _ in range(3):
+        nd.concat(*[a(nd.ones((1, 3)) * i) for i in range(6)], dim=0).asnumpy()
+    pa = pipeline.PIPELINES.of(infer, net=a._jb_cfg)   # pylint: disable=protected-access
+    assert pa is not None and pa.graph is not None
+    assert pipeline.PIPELINES.of(infer, net=b._jb_cfg) is None   # pylint: disable=protected-access

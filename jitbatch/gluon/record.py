@@ -42,13 +42,13 @@ _FLAT = {n: [0] * n for n in range(1, 16)}      # ... of n plain outputs
 _FLAT[1] = 0
 
 
-def limit(policy, mode_):
+def limit(policy, mode_, net=None):
     """Pending nodes at which a new graph runs itself: ``max_pending``, or under
     'auto' the cost model's chunk size for pipelined flushes (where the kernels
     leave a core to Python)."""
     n = _config.max_pending
     if policy == "auto" and _config.pipeline and pipeline.FREE_CORE:
-        chunk = pipeline.PIPELINES.limit(mode_, cost.MODEL.launch_price())
+        chunk = pipeline.PIPELINES.limit(mode_, cost.MODEL.launch_price(), net=net)
         if chunk is not None and chunk < n:
             n = chunk
     return n
@@ -70,10 +70,11 @@ def _begin(g, cfg, mode_):
     if cfg is not None:
         gr.policy, gr.budget, gr.granularity = cfg.policy, cfg.budget, cfg.granularity
     gr.backend = BACKEND
+    gr.net = cfg
     # the samples of a jitbatch.map park at their reads: a pipelined chunk cut
     # while they record would run apart what their read flush merges
     gr.unpiped = gr.sharing is not None
-    gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_)
+    gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_, cfg)
 
 
 def before_write(target):
