@@ -37,7 +37,7 @@ def flush():
 def stats():
     """Counters: nodes, launches, flushes, forced_flushes, analysis_seconds,
     execute_seconds, release_seconds, ... ``last_flush`` (policy chosen and why) and ``pipeline``
-    (per recording thread and autograd mode: the chunk count pipelined flushes
+    (per recording thread, autograd mode and network: the chunk count pipelined flushes
     use and the measured microseconds per node of each count tried; see
     ``jitbatch.pipeline.Pipe``)."""
     s = STATS.snapshot()

@@ -39,7 +39,7 @@ def _middle(xs):
 
 
 class Pipe(object):
-    """Per recording thread and autograd mode, how pipelined flushes cut a
+    """Per recording thread, autograd mode and network, how pipelined flushes cut a
     graph, chosen by measuring.
 
     A *cycle* runs from one graph's first record to the next graph's: the
@@ -247,7 +247,7 @@ class Pipelines(object):
         return self.pipe.get(self._key(mode, net))
 
     def report(self):
-        """Per recording thread and autograd mode: the chunk count in use and
+        """Per recording thread, autograd mode and network: the chunk count in use and
         the measured microseconds per node of each count (median of the last
         cycles)."""
         out = []
