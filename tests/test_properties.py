@@ -167,6 +167,12 @@ def apply(net, s):
     return y, nd.sum(y * y)
 
 
+def _samples(progs):
+    """Each generated program with its input rows, drawn from its seed."""
+    return [(nd.array(np.random.default_rng(seed).normal(size=(n_in, W))), prog)
+            for n_in, prog, seed in progs]
+
+
 _NET = {}
 
 
@@ -196,10 +202,7 @@ def test_generated_programs_match_plain_gluon(progs, train, buckets):
     than 2 or 4 samples up (to a power of two, or two sizes per doubling), so
     filler samples run in most examples."""
     net = _net()
-    samples = []
-    for n_in, prog, seed in progs:
-        rng = np.random.default_rng(seed)
-        samples.append((nd.array(rng.normal(size=(n_in, W))), prog))
+    samples = _samples(progs)
     ref = run(net, apply, samples, train, flag=False)
     saved = jitbatch.config.row_buckets
     jitbatch.config.row_buckets = buckets
@@ -223,10 +226,7 @@ def test_generated_programs_with_reads_match_plain_gluon_under_map(progs, train)
     parks the sample until the others have recorded what they can), under every
     policy: plain per-sample Gluon's outputs and gradients."""
     net = _net()
-    samples = []
-    for n_in, prog, seed in progs:
-        rng = np.random.default_rng(seed)
-        samples.append((nd.array(rng.normal(size=(n_in, W))), prog))
+    samples = _samples(progs)
     ref = run(net, apply, samples, train, flag=False)
     for policy, gran in (("auto", "auto"), ("depth", "auto"), ("agenda", "auto"),
                          ("sequential", "auto"), ("agenda", "split")):
