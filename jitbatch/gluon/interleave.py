@@ -14,7 +14,7 @@ threads' do."""
 import threading
 from collections import deque
 
-from .. import config, execute
+from .. import baton, config, execute
 from ..graph import current_graph, recorder, share
 from . import _mxapi
 from .modes import forget_mode
@@ -35,15 +35,15 @@ class _Worker(threading.Thread):
 
     def __init__(self):
         super(_Worker, self).__init__(name="jitbatch-map", daemon=True)
-        self.baton = threading.Lock()
-        self.baton.acquire()    # held while the thread may not run; released to wake it
+        self.baton = baton.new()   # handed to this thread to let it run
         self.task = None
 
     def run(self):
+        give = None
         while True:
-            self.baton.acquire()
+            baton.hand(give, self.baton)
             task = self.task
-            task.run.body(task)
+            give = task.run.body(task)
 
 
 class _Task(object):
@@ -89,7 +89,7 @@ class _Run(object):
         g.limit = config.max_pending
         g.unpiped = True
         try:
-            self.wake(self.fresh.popleft())
+            baton.hand(self.wake(self.fresh.popleft()), None)
             try:
                 self.caller.acquire()
             except BaseException:
@@ -111,7 +111,7 @@ class _Run(object):
         return [t.result for t in self.tasks]
 
     def wake(self, task):
-        """Give the baton to ``task`` (its first start or a resume)."""
+        """The baton to hand to let ``task`` run (its first start or a resume)."""
         forget_mode()   # the graph's kept autograd state was read in another thread
         self.graph.passthrough = 0
         w = task.worker
@@ -124,27 +124,27 @@ class _Run(object):
                 w.start()
             task.worker = w
             w.task = task
-        w.baton.release()
+        return w.baton
 
     def can_start(self):
         """A sample not started yet may start now (a thread is free for it)."""
         return bool(self.fresh) and not self.aborted and self.running < config.map_threads
 
     def next(self):
-        """The baton holder parks or ends: the next ready sample runs, else a
-        new one; with neither, the last parked one (it runs the graph for
-        all); with none parked either, the caller returns."""
+        """The baton holder parks or ends: the baton of the next ready sample,
+        else of a new one; with neither, of the last parked one (it runs the
+        graph for all); with none parked either, None, and the caller returns."""
         if self.ready:
-            self.wake(self.ready.popleft())
-        elif self.can_start():
-            self.wake(self.fresh.popleft())
-        elif self.parked:
-            self.wake(self.parked.pop())
-        else:
-            self.caller.release()
+            return self.wake(self.ready.popleft())
+        if self.can_start():
+            return self.wake(self.fresh.popleft())
+        if self.parked:
+            return self.wake(self.parked.pop())
+        self.caller.release()
+        return None
 
     def body(self, task):
-        """Run one sample (in its worker's thread) and pass the baton on."""
+        """Run one sample (in its worker's thread); the baton to hand on."""
         share(self.graph, self.owner)
         _here.task = task
         try:
@@ -165,7 +165,7 @@ class _Run(object):
         w.task = None
         self.running -= 1
         _IDLE.append(w)
-        self.next()
+        return self.next()
 
     def wait(self, node):
         """A read of ``node`` (pending) in a sample: park while other samples
@@ -177,8 +177,7 @@ class _Run(object):
             return      # the caller's own thread, or a thread of another map
         while node.batch is None and (self.ready or self.can_start()):
             self.parked.append(task)
-            self.next()
-            task.worker.baton.acquire()
+            baton.hand(self.next(), task.worker.baton)
             if self.aborted:
                 raise _Aborted()
         if node.batch is None:
