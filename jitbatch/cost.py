@@ -107,18 +107,29 @@ class Model(object):
             return True
         return self.analysis_high("sequential") <= budget * per
 
-    def smallest_budget(self, looked, nodes=None):
-        """The smallest analysis budget under which a flush like the last one
-        would have batched: what looking at the graph costs per node (``looked``
-        False) or what the cheapest merging policy's analysis costs, both at
-        their slowest of the last flushes, as a fraction of the predicted
-        unbatched time. None while unmeasured."""
-        per = self.unbatched_node
+    def smallest_budget(self, looked, nodes):
+        """The smallest analysis budget under which a flush of ``nodes`` would
+        have batched: what the cheapest merging policy's analysis costs, and,
+        where the flush did not even look at its graph (``looked`` False), what
+        looking costs if that is more, each at its slowest of the last flushes
+        (a prior while unmeasured), as a fraction of the nodes' unbatched time
+        per node. None while a node's signature has no timed launch: a budget
+        advised from the prior launch cost (300 us) was ten times too small
+        for launches that took 22 us; so was one that only paid for looking,
+        refused again by the analysis it then let run."""
+        if not nodes:
+            return None
+        n: Node
+        for n in nodes:
+            if not n.info.launches:
+                return None
+        per = sum([self.launch_cost(n.info, 1) for n in nodes]) / len(nodes)
         if not per:
             return None
+        merging = min(self.analysis_high(p) for p in ("depth", "agenda"))
         if not looked:
-            return self.analysis_high("sequential") / per
-        return min(self.analysis_high(p) for p in ("depth", "agenda")) / per
+            return max(self.analysis_high("sequential"), merging) / per
+        return merging / per
 
     def analysis_high(self, key):
         """Seconds per node of ``key``'s analysis at its slowest of the last

@@ -161,13 +161,13 @@ def _choose(f, nodes, budget):
     if f.looked:
         f.chosen, f.why, f.predicted, f.groups = cost.MODEL.choose(nodes, budget)
         if f.chosen == "sequential" and budget and f.groups < len(nodes):
-            _budget_fell_back(budget, True, len(nodes))
+            _budget_fell_back(budget, True, nodes)
     elif budget == 0:
         f.chosen, f.why = "sequential", "analysis budget 0: one launch per node, no analysis"
     else:
         f.chosen, f.why = "sequential", "analysis budget %g is below the cost of looking " \
             "at the graph: one launch per node, no analysis" % budget
-        _budget_fell_back(budget, False, len(nodes))
+        _budget_fell_back(budget, False, nodes)
 
 
 _BUDGETS_REPORTED = set()
@@ -176,10 +176,11 @@ _BUDGETS_REPORTED = set()
 def _budget_fell_back(budget, looked, nodes):
     """Say once per budget that it keeps 'auto' from batching a graph that has
     something to merge: what looking (or merging policies' analysis) measured,
-    and the smallest budget that would batch."""
+    and the smallest budget that would batch (once the nodes' launches are
+    timed, on a later flush if need be)."""
     if budget in _BUDGETS_REPORTED:
         return
-    need = cost.MODEL.smallest_budget(looked)
+    need = cost.MODEL.smallest_budget(looked, nodes)
     if need is None:
         return
     _BUDGETS_REPORTED.add(budget)
@@ -189,7 +190,7 @@ def _budget_fell_back(budget, looked, nodes):
         "analysis_budget=%g keeps policy 'auto' from batching: %s (a graph of %d nodes), so "
         "its flushes run one launch per node, unbatched. Fix: hybridize with "
         "analysis_budget >= %.2g (or None for no cap)."
-        % (budget, what % need, nodes, need * 1.25), BudgetWarning, stacklevel=4)
+        % (budget, what % need, len(nodes), need * 1.25), BudgetWarning, stacklevel=4)
 
 
 def _split_stages(f, nodes, backend, granularity, budget):
