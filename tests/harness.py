@@ -37,14 +37,28 @@ def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
     return outs, grads
 
 
+#: entries are also compared on their array's scale: ``SCALE_TOL`` times its
+#: largest magnitude (16 float32 ulps of it). A saturated ``tanh`` (|y| near 1)
+#: has the gradient factor 1 - y*y, which cancels: one ulp of y, where oneDNN's
+#: Activation kernel (config.fast_activations) and MXNet's tanh round apart,
+#: moved such an entry by 2% (-1.291e-3 vs -1.267e-3 in an array whose largest
+#: entry is 1.56e2; bit-identical with fast_activations off)
+SCALE_TOL = 1e-6
+
+
 def assert_same(ref, got, rtol=1e-4, atol=1e-5):
     (o1, g1), (o2, g2) = ref, got
     assert len(o1) == len(o2)
+
+    def close(b, a, what):
+        scale = float(np.abs(a).max()) if np.size(a) else 0.0
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=max(atol, SCALE_TOL * scale),
+                                   err_msg=what)
     for i, (a, b) in enumerate(zip(o1, o2)):
-        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg="output %d" % i)
+        close(b, a, "output %d" % i)
     assert set(g1) == set(g2)
     for k in g1:
-        np.testing.assert_allclose(g2[k], g1[k], rtol=rtol, atol=atol, err_msg="grad " + k)
+        close(g2[k], g1[k], "grad " + k)
 
 
 def check_model(make, gen, apply, rng, n, train, policy, granularity="auto"):

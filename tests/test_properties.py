@@ -221,6 +221,11 @@ def test_generated_programs_match_plain_gluon(progs, train, buckets):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(programs(ARITY_READS), min_size=2, max_size=5), st.booleans())
+# found by a 10,000-example run (2026-11-26): a saturated tanh's gradient entry,
+# far below its array's largest, off by 2% from oneDNN's rounding (harness.SCALE_TOL)
+@example([(1, [("index", [0])], 0),
+          (1, [("index", [0]), ("add_n", [0, 0, 0]), ("broadcast", [2, 8]), ("two", [0, 3]),
+               ("add_n", [0, 0, 0]), ("add_n", [0, 0, 0]), ("add_n", [0, 0, 4])], 309)], True)
 def test_generated_programs_with_reads_match_plain_gluon_under_map(progs, train):
     """The samples through ``jitbatch.map``, whose programs read values (a read
     parks the sample until the others have recorded what they can), under every
