@@ -57,6 +57,21 @@ PHASES = tuple(p for p in Phase if SHRINK or p is not Phase.shrink)
 W = 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _exact_kernels():
+    """The generated programs' blocks are traced with MXNet's own ``tanh`` and
+    ``sigmoid`` (``config.fast_activations`` off), so batched and plain runs use
+    the same kernels and differ only where batching does. With oneDNN's
+    Activation kernel, a gradient through a saturated tanh (1 - y*y cancels)
+    moved by up to 3.5e-4 relative from one ulp of y in two examples of a
+    10,000-example run, bit-identical with it off; the rewrite has its own
+    tests (tests/test_rewrite.py). Read at tracing: these nets trace here."""
+    saved = jitbatch.config.fast_activations
+    jitbatch.config.fast_activations = False
+    yield
+    jitbatch.config.fast_activations = saved
+
+
 class One(HybridBlock):
     def __init__(self, **kw):
         super(One, self).__init__(**kw)
@@ -188,6 +203,10 @@ def _net():
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(programs(), min_size=1, max_size=5), st.booleans(), st.sampled_from([16, 1, 2]))
+# found by a 10,000-example run (2026-11-26) while the kernels differed (see
+# _exact_kernels): a saturated tanh's gradient 3.5e-4 off
+@example([(1, [("broadcast", [0, 0]), ("add_n", [0, 0, 0]), ("add_n", [1, 2, 14]),
+               ("broadcast", [3, 3])], 789)], True, 16)
 # found by a 10,000-example run: two row stacks reusing the same two parts made a
 # gather take each whole source once where it needed each twice
 @example([(1, [("three", [0, 0, 0]), ("expand_sum", [0, 1]), ("expand_sum", [0, 1])], 0)],
@@ -221,8 +240,8 @@ def test_generated_programs_match_plain_gluon(progs, train, buckets):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(programs(ARITY_READS), min_size=2, max_size=5), st.booleans())
-# found by a 10,000-example run (2026-11-26): a saturated tanh's gradient entry,
-# far below its array's largest, off by 2% from oneDNN's rounding (harness.SCALE_TOL)
+# found by a 10,000-example run (2026-11-26) while the kernels differed (see
+# _exact_kernels): a saturated tanh's gradient entry off by 2%
 @example([(1, [("index", [0])], 0),
           (1, [("index", [0]), ("add_n", [0, 0, 0]), ("broadcast", [2, 8]), ("two", [0, 3]),
                ("add_n", [0, 0, 0]), ("add_n", [0, 0, 0]), ("add_n", [0, 0, 4])], 309)], True)
