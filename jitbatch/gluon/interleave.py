@@ -21,7 +21,11 @@ from .modes import forget_mode
 
 __all__ = ["map_samples"]
 
-_here = threading.local()   # .task: the sample this worker thread runs
+class _Here(threading.local):
+    task = None     # the sample this worker thread runs (None: not a worker)
+
+
+_here = _Here()
 _IDLE = []                   # workers waiting for a sample (list.pop/append: atomic)
 
 
@@ -172,7 +176,7 @@ class _Run(object):
         can record; when none can, run the graph here for all the parked ones,
         which can go on after this one. Returns with ``node`` computed, or
         pending for the caller (``lazy.force``) to run its graph."""
-        task = getattr(_here, "task", None)
+        task = _here.task
         if task is None or task.run is not self:
             return      # the caller's own thread, or a thread of another map
         while node.batch is None and (self.ready or self.can_start()):
@@ -203,6 +207,6 @@ def map_samples(fn, *iterables):
         raise TypeError("jitbatch.map(fn, items, ...) needs at least one iterable of items")
     items = list(zip(*iterables))     # each item: the arguments of one call
     g = current_graph()
-    if len(items) < 2 or g.sharing is not None or getattr(_here, "task", None) is not None:
+    if len(items) < 2 or g.sharing is not None or _here.task is not None:
         return [fn(*args) for args in items]
     return _Run(fn, items, g).go()
