@@ -328,6 +328,7 @@ class Graph(object):
 #: flushes whose nodes are kept at most without a read releasing them (see Graph.retire)
 RETIRED_FLUSHES = 16
 
+
 class _Local(threading.local):
     """This thread's graph and the thread it records for (defaults as class
     attributes: a missing thread-local attribute is an exception raised and

@@ -19,6 +19,7 @@ def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
     for p in params.values():
         if p.grad_req != "null" and p._data is not None:
             p.zero_grad()
+
     def each():
         if mapped:
             return jitbatch.map(lambda s: apply(net, s), samples)

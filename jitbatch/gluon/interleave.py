@@ -21,6 +21,7 @@ from .modes import forget_mode
 
 __all__ = ["map_samples"]
 
+
 class _Here(threading.local):
     task = None     # the sample this worker thread runs (None: not a worker)
 
