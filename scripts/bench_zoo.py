@@ -144,28 +144,19 @@ class Runner(object):
                                              {"learning_rate": 0.02, "wd": 1e-4})
         self.hand = entry.hand(self.nets["hand"]) if entry.hand and "hand" in modes else None
         self.current = self.net = self.trainer = None
-        self.jitbatch = None
+        self.each = None   # what runs a minibatch's per-sample calls (jitbatch.map in 'map')
 
     def per_sample(self, samples, losses=True):
         """Every sample's output (and loss): a loop, or jitbatch.map in mode 'map'."""
-        entry = self.entry
-        if self.current != "map":
-            if losses:
-                return entry.per_sample(self.net, samples)
-            return [entry.forward(self.net, s) for s in samples], None
-        if self.jitbatch is None:
-            import jitbatch
-            self.jitbatch = jitbatch
-        net = self.net
-
-        def one(s):
-            out = entry.forward(net, s)
-            return out, (entry.loss(net, s, out) if losses else None)
-        pairs = self.jitbatch.map(one, samples)
-        return [o for o, _ in pairs], [l for _, l in pairs]
+        return self.entry.per_sample(self.net, samples, self.each, losses)
 
     def mode(self, name):
         self.current = name
+        if name == "map":
+            import jitbatch
+            self.each = jitbatch.map
+        else:
+            self.each = None
         self.net, self.trainer = self.nets[name], self.trainers[name]
 
     def train_step(self, batch, update=True):

@@ -13,25 +13,13 @@ import jitbatch
 from jitbatch.gluon import interleave
 from examples.zoo import MODELS
 from test_zoo import (GRANULARITIES, POLICIES, RUNNABLE, assert_close, assert_grads_close,
-                      case, grads_of, zero_grads)
+                      case, grads_of, run_per_sample)
 
 
 def run_mapped(entry, net, samples, train=True):
     """run_per_sample (tests/test_zoo.py) with the loop over samples replaced by
     jitbatch.map."""
-    def one(s):
-        out = entry.module.forward(net, s)
-        return out, entry.module.loss(net, s, out)
-    zero_grads(net)
-    if not train:
-        pairs = jitbatch.map(one, samples)
-        return ([o.asnumpy() for o, _ in pairs],
-                nd.add_n(*[l for _, l in pairs]).asscalar(), {})
-    with autograd.record():
-        pairs = jitbatch.map(one, samples)
-        total = nd.add_n(*[l for _, l in pairs])
-    total.backward()
-    return [o.asnumpy() for o, _ in pairs], total.asscalar(), grads_of(net)
+    return run_per_sample(entry, net, samples, train, each=jitbatch.map)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)

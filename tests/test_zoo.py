@@ -31,15 +31,16 @@ def grads_of(net):
             if p.grad_req != "null"}
 
 
-def run_per_sample(entry, net, samples, train=True):
+def run_per_sample(entry, net, samples, train=True, each=None):
     """(per-sample outputs, summed loss, gradients) of the per-sample code under
-    ``net``'s current hybridize flags; gradients only when ``train``."""
+    ``net``'s current hybridize flags; gradients only when ``train``; ``each``:
+    what runs the samples' calls instead of a loop (``jitbatch.map``)."""
     zero_grads(net)
     if not train:
-        outs, losses = entry.per_sample(net, samples)
+        outs, losses = entry.per_sample(net, samples, each)
         return [o.asnumpy() for o in outs], nd.add_n(*losses).asscalar(), {}
     with autograd.record():
-        outs, losses = entry.per_sample(net, samples)
+        outs, losses = entry.per_sample(net, samples, each)
         total = nd.add_n(*losses)
     total.backward()
     return [o.asnumpy() for o in outs], total.asscalar(), grads_of(net)

@@ -70,15 +70,18 @@ class Entry(object):
     def loss(self, net, sample, out):
         return self.module.loss(net, sample, out)
 
-    def per_sample(self, net, samples):
-        """Every sample's output and loss, one sample after the other, as a
-        training loop over a minibatch writes it."""
-        outs, losses = [], []
-        for s in samples:
-            out = self.module.forward(net, s)
-            outs.append(out)
-            losses.append(self.module.loss(net, s, out))
-        return outs, losses
+    def per_sample(self, net, samples, each=None, losses=True):
+        """Every sample's output and loss (None where not ``losses``), one
+        sample after the other, as a training loop over a minibatch writes it;
+        ``each``: what runs the samples' calls instead of that loop, with the
+        builtin ``map``'s arguments (``jitbatch.map``)."""
+        module = self.module
+
+        def one(s):
+            out = module.forward(net, s)
+            return out, (module.loss(net, s, out) if losses else None)
+        pairs = [one(s) for s in samples] if each is None else each(one, samples)
+        return [o for o, _ in pairs], [l for _, l in pairs]
 
     def __repr__(self):
         return "Entry(%r)" % self.name

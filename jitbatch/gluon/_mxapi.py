@@ -180,11 +180,7 @@ def mode_scope(mode):
 
 
 _DEVICE = Context._default_ctx   # pylint: disable=protected-access
-
-
-def default_device():
-    """``mx.context.current_context()`` of this thread."""
-    return _DEVICE.__dict__.get("value") or current_context()
+default_device = current_context   # this thread's default device (``mx.cpu()`` unless set)
 
 
 def adopt_state(mode, device):
