@@ -158,7 +158,7 @@ class Graph(object):
         self.kept_before = []  # ... of the graph before it
         self.sharing = None    # the jitbatch.map whose samples record here (its read hook)
         self.unpiped = False   # recorded (partly) by a map's samples: pipeline learns nothing from it
-        self.net = None        # the flags of the network whose block began it (pipeline's key)
+        self.net = None        # the number of the network whose block began it (pipeline key)
 
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:

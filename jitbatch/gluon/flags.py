@@ -3,6 +3,7 @@
 Flags are validated when ``hybridize`` is called (``FlagError`` at once) and kept
 per block as a ``BatchConfig`` (``block._jb_cfg``; None: not flagged)."""
 import inspect
+import itertools
 
 from mxnet.gluon.block import HybridBlock
 
@@ -12,20 +13,41 @@ from ..schedule import POLICIES
 #: the keyword arguments of ``hybridize`` that are jitbatch's
 FLAG_KEYS = ("dynamic_batch", "policy", "analysis_budget", "granularity")
 GRANULARITIES = ("auto", "block", "split")
+#: numbers for networks and blocks, never reused (``id()`` of a freed object is)
+_SERIALS = itertools.count(1)
 
 
 class BatchConfig(object):
     """The dynamic-batching flags of one block (set tree-wide by ``hybridize``)."""
-    __slots__ = ("policy", "budget", "granularity")
+    __slots__ = ("policy", "budget", "granularity", "serial")
 
     def __init__(self, policy, budget, granularity="auto"):
         self.policy = policy
         self.budget = budget
         self.granularity = granularity
+        self.serial = next(_SERIALS)   # names the network (``pipeline.Pipelines``)
 
     def __repr__(self):
         return "BatchConfig(policy=%r, analysis_budget=%r, granularity=%r)" % (
             self.policy, self.budget, self.granularity)
+
+
+class Token(object):
+    """What a block's signatures are recorded under (``block._jb_token``,
+    held by their keys): a new token when its structure or declarations change
+    makes them stale. ``block`` numbers the block for the process's life, so
+    measurements carry over from its old tokens and never from a freed block
+    whose ``id()`` a new one got."""
+    __slots__ = ("block",)
+
+    def __init__(self, block):
+        self.block = block
+
+
+def renew_token(block):
+    """Give ``block`` a new :class:`Token` (the same block number)."""
+    old = block._jb_token
+    block._jb_token = Token(next(_SERIALS) if old is None else old.block)
 
 
 def parse_flags(block, kwargs):
@@ -86,7 +108,7 @@ def zero_pad(block, **axes):
         pos[data.index(name)] = axis
     block._jb_pad = pos or None
     block._jb_pad_names = dict(axes) or None
-    block._jb_token = object()    # signatures recorded under the old declaration
+    renew_token(block)    # signatures recorded under the old declaration
     return block
 
 

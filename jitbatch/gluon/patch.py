@@ -27,7 +27,7 @@ from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
 from ._mxapi import np_array_mode, recurrent_forward
-from .flags import FLAG_KEYS, parse_flags
+from .flags import FLAG_KEYS, parse_flags, renew_token
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
@@ -291,6 +291,10 @@ def _make_hybridize(orig):
         if outer:
             def setcfg(b):
                 b._jb_cfg = cfg
+                # hybridize(clear=False) on a block never cleared left it without
+                # a token: its calls' keys would name it by id() alone
+                if cfg is not None and isinstance(b, HybridBlock) and b._jb_token is None:
+                    renew_token(b)
             self.apply(setcfg)
     hybridize.__doc__ = orig.__doc__
     hybridize.__wrapped__ = orig
@@ -299,7 +303,7 @@ def _make_hybridize(orig):
 
 def _clear(self):
     _mxapi.clear_cached_op(self)
-    self._jb_token = object()  # new structure: old signatures no longer apply
+    renew_token(self)  # new structure: old signatures no longer apply
 
 
 def _get_graph(self, *args):

@@ -70,11 +70,11 @@ def _begin(g, cfg, mode_):
     if cfg is not None:
         gr.policy, gr.budget, gr.granularity = cfg.policy, cfg.budget, cfg.granularity
     gr.backend = BACKEND
-    gr.net = cfg
+    gr.net = None if cfg is None else cfg.serial
     # the samples of a jitbatch.map park at their reads: a pipelined chunk cut
     # while they record would run apart what their read flush merges
     gr.unpiped = gr.sharing is not None
-    gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_, cfg)
+    gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_, gr.net)
 
 
 def before_write(target):

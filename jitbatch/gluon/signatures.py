@@ -90,8 +90,9 @@ def derived_key(kind, parent, *rest):
 
 
 def stable(key):
-    """A block signature key without its renewal token."""
-    return key[:2] + key[3:]
+    """A block signature key without its renewal token: the block's number
+    (``Token.block``) in place of its ``id()`` and token."""
+    return (key[0], key[2].block) + key[3:]
 
 
 def pad_size(exact, pads):
