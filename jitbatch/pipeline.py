@@ -60,19 +60,19 @@ class Pipe(object):
     between its last flush and the next graph's first record: the thread did
     other work there (other models or modes timed between two steps, an
     evaluation pass without jitbatch), which is not this graph's throughput.
-    One more chunk is tried only where it could pay (:meth:`may_pay`): the
-    time the kernels (the process's other threads) waited in the current
-    count's cycles, at most what chunks can fill, must exceed what the
+    One more chunk is tried only where it could pay (:meth:`may_pay`): what
+    overlapping can save in the current count's cycles must exceed what the
     launches one more chunk adds cost (fixed kernel time plus Python issue
-    time each; a Tree-LSTM training step, kernels ~93-99% busy: ~2 ms to
-    fill against ~4-5 ms of added launches; it measured 1.4-2x slower in two
-    chunks).
+    time each). Overlap hides the smaller of the two threads' work and cannot
+    make a cycle shorter than the larger: a cycle whose recording thread is
+    nearly always busy (per-sample Python) or whose kernels are (a Tree-LSTM
+    training step) has little to gain, however long the other one waits.
 
     Also kept: the mean nodes per graph (between reads: ``graph``) and
     launches per flush (``launches``), the current graph's nodes so far
     (``open``), its start time and whether its measurement stands."""
     __slots__ = ("launches", "graph", "open", "chunks", "times", "start", "valid", "last",
-                 "cycles", "busy", "cpu", "end", "ended")
+                 "cycles", "busy", "main", "cpu", "end", "ended")
 
     def __init__(self):
         self.launches = self.graph = self.start = self.last = self.cpu = self.end = None
@@ -81,6 +81,7 @@ class Pipe(object):
         self.chunks = 1
         self.times = {}
         self.busy = {}      # chunk count -> the other threads' CPU / wall of its last cycles
+        self.main = {}      # chunk count -> the recording thread's CPU / wall of its last cycles
         self.valid = False
         self.cycles = 0
 
@@ -129,21 +130,23 @@ class Pipe(object):
         return c
 
     def may_pay(self, c, fixed):
-        """Whether one chunk more than ``c`` could pay: chunks overlap Python
-        with kernels, so the most they save is the time the kernels waited in
-        a cycle of ``c`` chunks (its seconds times the share the other threads
-        were idle), and one more chunk costs about one more set of launches
+        """Whether one chunk more than ``c`` could pay: chunks overlap the
+        recording thread's Python with the kernels (the other threads), so in
+        a cycle of ``c`` chunks they save at most the smaller thread's share
+        and at most what the busier one leaves idle (shares of the cycle's
+        seconds), and one more chunk costs about one more set of launches
         (``launches`` x ``fixed``). True while either side is unmeasured."""
         t = self.median(c)
-        busy = self.busy_of(c)
-        if t is None or busy is None or not fixed or not self.launches:
+        kernels, main = self.busy_of(c), self.busy_of(c, self.main)
+        if t is None or kernels is None or main is None or not fixed or not self.launches:
             return True
-        return (1.0 - busy) * t * self.graph > self.launches * fixed
+        room = min(kernels, main, 1.0 - kernels, 1.0 - main)
+        return room * t * self.graph > self.launches * fixed
 
-    def busy_of(self, c):
+    def busy_of(self, c, shares=None):
         """Median share of ``c`` chunks' last cycles the other threads (the
-        kernels) were busy, or None."""
-        bs = self.busy.get(c)
+        kernels; ``shares=self.main``: the recording thread) were busy, or None."""
+        bs = (self.busy if shares is None else shares).get(c)
         return _middle(bs) if bs else None
 
     def size(self, c=None):
@@ -160,9 +163,9 @@ class Pipelines(object):
         self.pipe = {}               # (thread, autograd mode, network) -> its Pipe
 
     def _key(self, mode, net):
-        # a network is the flags object its hybridize call made (id: the pipes
-        # must not keep it alive); at most PIPES_KEPT pipes, the oldest dropped
-        return (recorder(), mode, None if net is None else id(net))
+        # a network is the number of the flags its hybridize call made
+        # (BatchConfig.serial); at most PIPES_KEPT pipes, the oldest dropped
+        return (recorder(), mode, net)
 
     def observe(self, mode, nodes, launches, ends_graph, calibrated=False, warm=True,
                 net=None):
@@ -171,7 +174,8 @@ class Pipelines(object):
         or ``jitbatch.flush()`` ended the graph there (else it was a chunk,
         and recording goes on); ``calibrated``: it waited for every launch;
         ``warm``: not the process's first flush (which pays tracing); ``net``:
-        the flags of the network whose block began the graph."""
+        the number of the network whose block began the graph (its flags'
+        ``serial``)."""
         if not warm:
             return
         key = self._key(mode, net)   # each thread records its own graphs
@@ -205,8 +209,10 @@ class Pipelines(object):
         if p is not None and p.open:
             return p.size()
         now = time.perf_counter()
-        # CPU of the process's other threads: the framework's kernels
-        cpu = time.process_time() - time.thread_time()
+        # CPU of this (recording) thread, and of the process's other threads:
+        # the framework's kernels
+        mine = time.thread_time()
+        cpu = (time.process_time() - mine, mine)
         # a graph of another mode starts here: the ended cycles of this thread's
         # other modes end now, so a training cycle does not count the evaluation
         # run between two training steps (or the other way round)
@@ -224,9 +230,10 @@ class Pipelines(object):
                 ts.append((stop - p.start) / p.last)
                 del ts[:-PIPE_KEEP]
                 if stop > p.start and p.cpu is not None:
-                    bs = p.busy.setdefault(p.chunks, [])
-                    bs.append((stop_cpu - p.cpu) / (stop - p.start))
-                    del bs[:-PIPE_KEEP]
+                    for shares, used, was in zip((p.busy, p.main), stop_cpu, p.cpu):
+                        bs = shares.setdefault(p.chunks, [])
+                        bs.append((used - was) / (stop - p.start))
+                        del bs[:-PIPE_KEEP]
                 p.cycles += 1
                 if p.cycles % PIPE_REPROBE == 0:
                     p.times = {p.chunks: ts}
@@ -247,9 +254,10 @@ class Pipelines(object):
         return self.pipe.get(self._key(mode, net))
 
     def report(self):
-        """Per recording thread, autograd mode and network: the chunk count in use and
-        the measured microseconds per node of each count (median of the last
-        cycles)."""
+        """Per recording thread, autograd mode and network: the chunk count in use,
+        the measured microseconds per node of each count and the share of its
+        cycles the kernels and the recording thread were busy (medians of the
+        last cycles)."""
         out = []
         for (_, (rec, train), _), p in sorted(self.pipe.items(), key=lambda kv: kv[0][:2]):
             if p.graph is None:
@@ -259,7 +267,9 @@ class Pipelines(object):
                         "chunk_size": p.size(), "graph_nodes": int(p.graph),
                         "us_per_node": {c: round(t * 1e6, 2) for c, t in medians
                                         if t is not None},
-                        "kernels_busy": {c: round(p.busy_of(c), 3) for c in sorted(p.busy)}})
+                        "kernels_busy": {c: round(p.busy_of(c), 3) for c in sorted(p.busy)},
+                        "recording_busy": {c: round(p.busy_of(c, p.main), 3)
+                                           for c in sorted(p.main)}})
         return out
 
 

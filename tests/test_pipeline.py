@@ -82,20 +82,21 @@ def test_no_chunks(chunks, monkeypatch, how):
 
 class _Clock(object):
     """perf_counter for the cost model, and CPU clocks whose other threads
-    (process minus this thread) run ``busy`` of the wall time."""
+    (process minus this thread) run ``busy`` of the wall time, this one ``main``."""
 
-    def __init__(self, busy=0.0):
+    def __init__(self, busy=0.0, main=0.0):
         self.now = 100.0
         self.busy = busy
+        self.main = main
 
     def perf_counter(self):
         return self.now
 
     def process_time(self):
-        return self.busy * self.now
+        return (self.busy + self.main) * self.now
 
     def thread_time(self):
-        return 0.0
+        return self.main * self.now
 
 
 def _cycle(m, mode, clock, nodes, us_per_node, launches=10, calibrated=False, cold=0.0,
@@ -135,7 +136,8 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     assert m.report() == [{
         "recording": False, "training": False, "chunks": 2, "chunk_size": 5000,
         "graph_nodes": 10000, "us_per_node": {1: 30.0, 2: 20.0, 3: 25.0},
-        "kernels_busy": {1: 0.0, 2: 0.0, 3: 0.0}}]
+        "kernels_busy": {1: 0.0, 2: 0.0, 3: 0.0},
+        "recording_busy": {1: 0.0, 2: 0.0, 3: 0.0}}]
     # a cycle with a calibrating flush, or one that did not start at a chunk-size
     # question (pipelining was off), is not measured
     n = len(m.of(infer).times[2])
@@ -156,12 +158,14 @@ def test_chunk_count_is_chosen_by_measured_cycles(monkeypatch):
     assert m.of(infer).times[3] == [pytest.approx(25e-6)] * 3
 
 
-@pytest.mark.parametrize("busy, used", [
-    # 1 chunk: 0.3 s cycles; one more chunk adds 10 launches of 2 ms each
-    (0.95, [1] * 8),                        # kernels wait 15 ms: 2 chunks never tried
-    (0.5, [1, 1, 1, 2, 2, 2, 2, 3])])       # they wait 150 ms: 2, then 3 tried
-def test_more_chunks_only_where_the_kernels_wait(monkeypatch, busy, used):
-    clock = _Clock(busy)
+@pytest.mark.parametrize("busy, main, used", [
+    # 1 chunk: 0.3 s cycles; one more chunk adds 10 launches of 2 ms each (20 ms)
+    (0.95, 0.9, [1] * 8),                   # kernels wait 15 ms: 2 chunks never tried
+    (0.3, 0.97, [1] * 8),                   # Python waits 9 ms: never tried
+    (0.05, 0.5, [1] * 8),                   # 15 ms of kernels to hide: never tried
+    (0.5, 0.5, [1, 1, 1, 2, 2, 2, 2, 3])])  # both wait 150 ms: 2, then 3 tried
+def test_more_chunks_only_where_overlap_can_save_what_they_cost(monkeypatch, busy, main, used):
+    clock = _Clock(busy, main)
     monkeypatch.setattr(pipeline, "time", clock)
     m = pipeline.Pipelines()
     train = (True, True)
@@ -173,6 +177,7 @@ def test_more_chunks_only_where_the_kernels_wait(monkeypatch, busy, used):
     assert got == used, got
     assert m.of(train).busy_of(1) == pytest.approx(busy)
     assert m.report()[0]["kernels_busy"][1] == pytest.approx(busy, abs=1e-3)
+    assert m.report()[0]["recording_busy"][1] == pytest.approx(main, abs=1e-3)
 
 
 def test_chunks_only_where_each_merges(monkeypatch):
@@ -335,6 +340,35 @@ def test_a_flush_teaches_the_pipe_of_the_network_that_began_its_graph():
     infer = (False, False)
     for _ in range(3):
         nd.concat(*[a(nd.ones((1, 3)) * i) for i in range(6)], dim=0).asnumpy()
-    pa = pipeline.PIPELINES.of(infer, net=a._jb_cfg)   # pylint: disable=protected-access
+    pa = pipeline.PIPELINES.of(infer, net=a._jb_cfg.serial)   # pylint: disable=protected-access
     assert pa is not None and pa.graph is not None
-    assert pipeline.PIPELINES.of(infer, net=b._jb_cfg) is None   # pylint: disable=protected-access
+    assert pipeline.PIPELINES.of(infer, net=b._jb_cfg.serial) is None   # pylint: disable=protected-access
+
+
+def _dense_net():
+    net = nn.Dense(3, in_units=3)
+    net.initialize()
+    net.hybridize(dynamic_batch=True, policy="auto")
+    return net
+
+
+def _run_inference(net, graphs=3):
+    for _ in range(graphs):
+        nd.concat(*[net(nd.ones((1, 3)) * i) for i in range(6)], dim=0).asnumpy()
+
+
+def test_a_new_network_never_takes_the_pipe_of_a_freed_one():
+    # a process that builds one model after another frees the old flags
+    # objects; CPython hands their memory (and id()) to the next one, which
+    # then chose its chunk count from the old network's times
+    import gc
+    infer = (False, False)
+    pipes = []
+    for _ in range(20):
+        net = _dense_net()
+        _run_inference(net)
+        pipe = pipeline.PIPELINES.of(infer, net=net._jb_cfg.serial)   # pylint: disable=protected-access
+        assert pipe is not None and all(pipe is not p for p in pipes)
+        pipes.append(pipe)
+        del net
+        gc.collect()
