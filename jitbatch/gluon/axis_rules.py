@@ -17,14 +17,15 @@ RANDOM = {"Dropout"}
 class Facts(object):
     """What a rule may read about one operator node: its attributes (parsed),
     the per-sample shapes of its inputs and outputs (``ins``, ``outs``), and
-    whether the signature runs in training mode."""
-    __slots__ = ("attrs", "ins", "outs", "training")
+    whether the signature runs in training mode and is recorded by autograd."""
+    __slots__ = ("attrs", "ins", "outs", "training", "recording")
 
-    def __init__(self, attrs, ins, outs, training):
+    def __init__(self, attrs, ins, outs, training, recording=False):
         self.attrs = attrs
         self.ins = ins
         self.outs = outs
         self.training = training
+        self.recording = recording
 
     def get(self, name, default=None):
         v = self.attrs.get(name, default)
@@ -224,7 +225,9 @@ def _dot(f, states):
         return (1 - lhs) if ta else lhs
     if rhs == (rr - 1 if tb else 0):
         raise Refuse("contracts the axis along which merged samples lie")
-    return rl - 1 + ((1 - rhs) if tb else rhs - 1)
+    # the output's axes: lhs's but its last, then rhs's but its first (transposed:
+    # but its last), so rhs axis r lands at rl - 1 + r - 1 (transposed: rl - 1)
+    return rl - 1 + (-rhs if tb else rhs - 1)
 
 
 @_register("Reshape")
@@ -441,6 +444,11 @@ def _batch_norm(f, states):
                       "running statistics during backward, for the calls its graph reaches "
                       "and in the order it gives, so after a step they can differ from "
                       "per-sample Gluon's)")
+    if f.recording and not f.get("use_global_stats"):
+        raise Refuse("is recorded by autograd: its backward in training mode (backward()'s "
+                      "default, whatever the recording's mode) normalises over the rows of "
+                      "every merged sample (use_global_stats=True keeps it to the running "
+                      "statistics, and its calls merge)")
     if _norm(f.get("axis", 1), len(f.ins[0])) == a:
         raise Refuse("normalises per channel along the axis along which merged samples lie")
     return a
@@ -470,25 +478,30 @@ def _rnn(f, states):
     return 1
 
 
-def _sequence_op(drops):
+def _sequence_op(kind):
     def rule(f, states):
         t = _norm(f.get("axis", 0), len(f.ins[0]))
         b = 1 if t == 0 else 0
         a = states[0]
         if not f.get("use_sequence_length"):
-            if drops:
-                raise Refuse("takes the last step along the axis along which merged "
-                              "samples lie")
+            # without lengths: SequenceMask masks nothing, the others act along
+            # the time axis t of every sequence
+            if kind == "mask":
+                return a
+            if a == t or kind == "last":
+                raise Refuse("%s along axis %d (its time axis), the axis along which merged "
+                              "samples lie" % ("reverses" if kind == "reverse" else
+                                               "takes the last step", t))
             return a
         if a != b:
             raise Refuse("runs along the axis along which merged samples lie")
-        return b - 1 if drops and t < b else b
+        return b - 1 if kind == "last" and t < b else b
     return rule
 
 
-RULES["SequenceMask"] = _sequence_op(False)
-RULES["SequenceReverse"] = _sequence_op(False)
-RULES["SequenceLast"] = _sequence_op(True)
+RULES["SequenceMask"] = _sequence_op("mask")
+RULES["SequenceReverse"] = _sequence_op("reverse")
+RULES["SequenceLast"] = _sequence_op("last")
 
 
 def _loop(f, states):
@@ -516,7 +529,7 @@ broadcast_add broadcast_sub broadcast_mul broadcast_div broadcast_plus broadcast
 broadcast_maximum broadcast_minimum broadcast_power broadcast_hypot broadcast_mod
 broadcast_equal broadcast_not_equal broadcast_greater broadcast_greater_equal
 broadcast_lesser broadcast_lesser_equal broadcast_logical_and broadcast_logical_or
-broadcast_logical_xor _random_uniform_like _random_normal_like
+broadcast_logical_xor
 """)
 reduction("sum mean max min prod nansum nanprod norm sum_axis max_axis min_axis argmax argmin")
 reduction("moments", attr="axes")
@@ -534,5 +547,9 @@ _random_negative_binomial _random_generalized_negative_binomial _random_randint
 _sample_uniform _sample_normal _sample_gamma _sample_exponential _sample_poisson
 _sample_negative_binomial _sample_generalized_negative_binomial _sample_multinomial _shuffle
 _sample_unique_zipfian
+""")
+random_like("""
+_random_uniform_like _random_normal_like _random_gamma_like _random_exponential_like
+_random_poisson_like _random_negative_binomial_like _random_generalized_negative_binomial_like
 """)
 constant_sources("_zeros _ones _full _arange _eye _linspace _zeros_without_dtype")

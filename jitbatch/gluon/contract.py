@@ -37,11 +37,11 @@ class Mix(object):
         return "Mix(%s %s: %s)" % (self.op, self.node, self.why)
 
 
-def check(out, names, shapes, training):
+def check(out, names, shapes, training, recording=False):
     """None if merging calls of the traced symbol ``out`` (inputs ``names`` with
     per-sample ``shapes``) along axis 0 is exact, else the ``Mix`` saying which
-    operator prevents it and why. ``training``: autograd's training mode of
-    the signature (BatchNorm and Dropout depend on it)."""
+    operator prevents it and why. ``training``, ``recording``: autograd's
+    mode of the signature (BatchNorm and Dropout depend on it)."""
     graph = json.loads(out.tojson())
     nodes = graph["nodes"]
     one, two = _internal_shapes(out, nodes, names, shapes)
@@ -56,7 +56,7 @@ def check(out, names, shapes, training):
             if isinstance(s, Mix):
                 return s        # the first operator that mixed is the culprit
         res = _apply(node, ins, [_shape_of(one, i, k) for i, k, _ in node["inputs"]],
-                     one.get(j, []), training)
+                     one.get(j, []), training, recording)
         if isinstance(res, Mix):
             return res
         if res is not CONST and not _doubles(one.get(j, []), two.get(j), res):
@@ -73,7 +73,7 @@ def check(out, names, shapes, training):
     return None
 
 
-def _apply(node, ins, in_shapes, outs, training):
+def _apply(node, ins, in_shapes, outs, training, recording):
     """The state of one operator node's outputs (a Mix where it combines samples)."""
     op, name = node["op"], node["name"]
     if op not in RANDOM and all(s is CONST for s in ins):
@@ -85,7 +85,7 @@ def _apply(node, ins, in_shapes, outs, training):
     attrs = {k: parse_attr(v) for k, v in node.get("attrs", {}).items()
              if not k.startswith("__")}
     try:
-        return rule(Facts(attrs, in_shapes, outs, training), ins)
+        return rule(Facts(attrs, in_shapes, outs, training, recording), ins)
     except Refuse as e:
         return Mix(op, name, str(e))
     except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:

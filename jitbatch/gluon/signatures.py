@@ -19,6 +19,7 @@ A new block signature is found by tracing the block once (MXNet's
 the rows (outputs must scale along axis 0), at an odd length (outputs that
 keep any shared leading length make the signature *ragged*), and for
 zero-padded blocks at one more along the padded axes."""
+import json
 import warnings
 
 import numpy as np
@@ -32,7 +33,7 @@ from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_output
 from .flags import pad_names
 from .lazy import LazyArray
 from .meta import check_ctx, meta
-from . import _mxapi, contract
+from . import _mxapi, contract, gradients
 from .rules import rule_for
 
 TABLE = SignatureTable()
@@ -163,7 +164,9 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
-        ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx, mode)
+        passing = any(gradients.passes(name, k) for k in range(len(metas)))
+        ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx,
+                    gradients.launch_mode(mode, passing))
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, rule is not None,
                                                    name))
     return info
@@ -258,11 +261,20 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             "block %s: argument %d is %s but argument 0 is %s; a call's arrays must share "
             "one dtype. Fix: cast it with .astype('%s')."
             % (block.name, odd, np.dtype(dtypes[odd]).name, first, first))
+    doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
         _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
-        _, o2, _ = out.infer_shape_partial(
-            **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
         _, ot, _ = out.infer_type(**dict(zip(names, dtypes)))
+        try:
+            _, o2, _ = out.infer_shape_partial(
+                **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
+        except Exception as e:  # pylint: disable=broad-except
+            if '"op": "RNN"' in out.tojson():
+                raise
+            # an operator pairs the sample with an array of fixed rows (a
+            # constant or parameter of shape (K, ...)): one sample at a time
+            # is what the block computes
+            doubled, o2 = _doubling_mix(out, e), o1
     except Exception as e:
         if '"op": "RNN"' in out.tojson():
             raise BatchingError(
@@ -276,6 +288,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         raise BatchingError("block %s: output shapes cannot be inferred from inputs %s: %s"
                             % (block.name, shapes, e)) from e
     for k, (a, b) in enumerate(zip(o1, o2)):
+        if doubled is not None:
+            break
         if not a or 0 in a or not b:
             raise BatchingError("block %s: the shape of output %d cannot be inferred from "
                                 "input shapes %s" % (block.name, k, shapes))
@@ -290,7 +304,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                                     (2 * a[0],) + tuple(a[1:])))
     out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
     in_meta = tuple(zip(shapes, dtypes))
-    mix = contract.check(out, names, shapes, mode[1])
+    mix = doubled or contract.check(out, names, shapes, mode[1], mode[0])
+    mode = gradients.launch_mode(mode, not mode[0] or gradients.graph_passes(out))
     if mix is not None:
         # exact only one sample at a time: each call runs as its own launch
         if pad is not None:
@@ -320,6 +335,25 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
 
 
 _WARNED = set()   # (block name, operator node) already warned about
+
+
+def _doubling_mix(out, error):
+    """The ``Mix`` of a traced symbol ``out`` whose shapes MXNet could infer at
+    a call's shapes but not at twice the rows (``error``): the operator MXNet
+    names, if any."""
+    first = str(error).strip().splitlines()
+    text = next((line for line in first if "Error in operator" in line), first[-1] if first
+                else type(error).__name__)
+    node = op = "?"
+    if "Error in operator " in text:
+        node = text.split("Error in operator ", 1)[1].split(":", 1)[0].strip()
+        op = next((n["op"] for n in json.loads(out.tojson())["nodes"] if n["name"] == node),
+                  "?")
+    return contract.Mix(op, node, "cannot take twice the rows: it pairs each sample with an "
+                        "array of fixed rows, a constant such as F.zeros((1, H)) or a "
+                        "parameter of shape (K, ...) (MXNet: %s; to merge, give such an "
+                        "array the sample's rows: F.zeros_like(x), F.broadcast_like, or "
+                        "a per-sample axis of 1 before K)" % text.strip())
 
 
 def _unmergeable(block, mix):

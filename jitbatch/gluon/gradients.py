@@ -1,0 +1,69 @@
+"""Which launches pass no gradient back to their inputs, so they need not be recorded.
+
+MXNet 1.9.1 crashes the process in ``backward()`` (a segmentation fault in
+``Imperative::Backward``) when rows gathered with ``concat`` reach an operator
+that passes them no gradient through another operator, e.g.
+``BlockGrad(concat(a, b) * 2)``, ``take(concat(a, b), i) > 0``, or a hybridized
+block whose outputs are all ``BlockGrad``-ed. Per-sample code never
+concatenates its samples; merged launches gather with ``concat`` all the time.
+A launch that passes no gradient to any of its inputs or parameters computes
+the same values when autograd does not record it (its outputs carry no
+gradient either way), and then nothing of it, its gathers included, reaches
+the backward pass: its executor runs it unrecorded (``launch_mode``).
+
+An operator's inputs pass gradient unless the operator is listed here (a whole
+operator, or some of its inputs): the list only ever makes a launch unrecorded
+that passes no gradient, never one that does."""
+import json
+
+#: operators that pass no gradient to any input
+NO_GRADIENT = frozenset("""
+BlockGrad stop_gradient argmax argmin argsort
+_equal _not_equal _greater _greater_equal _lesser _lesser_equal
+_equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
+_lesser_equal_scalar _logical_and _logical_or _logical_xor logical_not
+_logical_and_scalar _logical_or_scalar _logical_xor_scalar
+broadcast_equal broadcast_not_equal broadcast_greater broadcast_greater_equal
+broadcast_lesser broadcast_lesser_equal broadcast_logical_and broadcast_logical_or
+broadcast_logical_xor
+sign round rint ceil floor trunc fix one_hot shape_array size_array zeros_like ones_like
+_random_uniform_like _random_normal_like _random_gamma_like _random_exponential_like
+_random_poisson_like _random_negative_binomial_like _random_generalized_negative_binomial_like
+""".split())
+
+#: operators that pass no gradient to the inputs at these positions
+NO_GRADIENT_INPUTS = {
+    "Embedding": (0,), "take": (1,), "pick": (1,), "where": (0,), "gather_nd": (1,),
+    "SequenceMask": (1,), "SequenceLast": (1,), "SequenceReverse": (1,),
+    "_contrib_arange_like": (0,),
+}
+
+
+def passes(op, k):
+    """Whether operator ``op`` can pass gradient to its input ``k``."""
+    return op not in NO_GRADIENT and k not in NO_GRADIENT_INPUTS.get(op, ())
+
+
+def graph_passes(out):
+    """Whether the traced symbol ``out`` can pass gradient from any of its
+    outputs to any of its variables (data inputs and parameters alike)."""
+    graph = json.loads(out.tojson())
+    nodes = graph["nodes"]
+    reaches = [False] * len(nodes)   # node j's outputs depend differentiably on a variable
+    for j, node in enumerate(nodes):
+        op = node["op"]
+        if op == "null":
+            reaches[j] = True
+            continue
+        reaches[j] = any(reaches[i] and passes(op, k)
+                         for k, (i, _, _) in enumerate(node["inputs"]))
+    return any(reaches[j] for j, _, _ in graph["heads"])
+
+
+def launch_mode(mode, passes_gradient):
+    """The autograd mode a signature's launches run in: its own, or, where
+    it records but passes no gradient to its inputs and parameters, not
+    recording (same training mode)."""
+    if mode[0] and not passes_gradient:
+        return (False, mode[1])
+    return mode
