@@ -105,6 +105,15 @@ def test_every_operator_input_listed_gets_no_gradient_from_mxnet(name):
                              "does not test what it should")
 
 
+@pytest.mark.parametrize("ret_typ", ["indices", "mask", "value", "both"])
+def test_topk_passes_gradient_exactly_where_the_list_says(ret_typ):
+    a = nd.array(_ARRAYS["rows"])
+    f = (lambda x, y: nd.topk(x, k=2, ret_typ=ret_typ)) if ret_typ != "both" else \
+        (lambda x, y: nd.topk(x, k=2, ret_typ="both")[0])
+    g = _zero_gradients(f, a, nd.array(_ARRAYS["rows"]))[0]
+    assert g.any() == gradients.passes("topk", 0, {"ret_typ": ret_typ}), g
+
+
 class _Stop(HybridBlock):
     def hybrid_forward(self, F, x):
         return F.BlockGrad(F.tanh(x) * 2)

@@ -87,11 +87,12 @@ def op_handle(name):
     return _HANDLES[name]
 
 
-def zeros(shape, ctx, dtype):
-    """A concrete zero array, made through MXNet's own operator entry point: the
-    patched one records ``nd.zeros`` while a graph is pending, and jitbatch's
-    own zeros (shape inference, padding) must exist at once."""
-    return invoke(op_handle("_zeros"), [], ["shape", "ctx", "dtype"],
+def zeros(shape, ctx, dtype, fill="_zeros"):
+    """A concrete zero array (``fill="_ones"``: ones), made through MXNet's own
+    operator entry point: the patched one records ``nd.zeros`` while a graph
+    is pending, and jitbatch's own zeros (shape inference, padding) must exist
+    at once."""
+    return invoke(op_handle(fill), [], ["shape", "ctx", "dtype"],
                   [tuple(shape), ctx, np.dtype(dtype).name], None, False, False)
 
 

@@ -44,7 +44,7 @@ def check(out, names, shapes, training, recording=False):
     mode of the signature (BatchNorm and Dropout depend on it)."""
     graph = json.loads(out.tojson())
     nodes = graph["nodes"]
-    one, two = _internal_shapes(out, nodes, names, shapes)
+    one, two = internal_shapes(out, nodes, names, shapes)
     inputs = set(names)
     state = {}
     for j, node in enumerate(nodes):
@@ -110,7 +110,7 @@ def _doubles(outs, outs2, axis):
     return True
 
 
-def _internal_shapes(out, nodes, names, shapes):
+def internal_shapes(out, nodes, names, shapes):
     """Per node index, the shapes of its visible outputs at the call's
     per-sample shapes and at twice the rows (MXNet's shape inference on the
     symbol's internals)."""

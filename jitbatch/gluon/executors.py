@@ -302,10 +302,13 @@ class ConstExec(object):
         finish(batch, [_mxapi.host_array(data, self.ctx, self.dtype)])
 
 
-def infer_outputs(handle, metas, keys, vals, ctx):
+def infer_outputs(handle, metas, keys, vals, ctx, fill="_zeros"):
     """Per-sample output (shape, dtype) list of an operator, found by running it
-    once on zeros."""
+    once on zeros (``fill="_ones"``: on ones)."""
     with ctx, autograd.pause(train_mode=False):
-        args = [_mxapi.zeros(s, ctx, d) for s, d in metas]
+        args = [_mxapi.zeros(s, ctx, d, fill) for s, d in metas]
         out = _mxapi.run_op(handle, args, keys, vals)
+        if fill != "_zeros":
+            for o in out:      # a kernel's error (an index out of range) raises here
+                o.wait_to_read()
     return tuple((o.shape, o.dtype) for o in out)

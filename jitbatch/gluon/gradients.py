@@ -39,9 +39,19 @@ NO_GRADIENT_INPUTS = {
 }
 
 
-def passes(op, k):
-    """Whether operator ``op`` can pass gradient to its input ``k``."""
-    return op not in NO_GRADIENT and k not in NO_GRADIENT_INPUTS.get(op, ())
+#: operators that pass no gradient where an attribute has one of these values
+NO_GRADIENT_WHERE = {"topk": ("ret_typ", ("indices", "mask"))}
+
+
+def passes(op, k, attrs=None):
+    """Whether operator ``op`` (attributes ``attrs``, as strings) can pass
+    gradient to its input ``k``."""
+    if op in NO_GRADIENT or k in NO_GRADIENT_INPUTS.get(op, ()):
+        return False
+    where = NO_GRADIENT_WHERE.get(op)
+    if where is not None and attrs:
+        return str(attrs.get(where[0], "")).strip("'\"") not in where[1]
+    return True
 
 
 def graph_passes(out):
@@ -55,7 +65,8 @@ def graph_passes(out):
         if op == "null":
             reaches[j] = True
             continue
-        reaches[j] = any(reaches[i] and passes(op, k)
+        attrs = node.get("attrs", {})
+        reaches[j] = any(reaches[i] and passes(op, k, attrs)
                          for k, (i, _, _) in enumerate(node["inputs"]))
     return any(reaches[j] for j, _, _ in graph["heads"])
 

@@ -14,10 +14,11 @@ except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
 from mxnet import ndarray as _nd
+from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 
 from .. import execute
-from ..errors import StaleValueError
+from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Ref, recorder
 from . import _mxapi
 from .layout import extent
@@ -33,6 +34,11 @@ class _Detached(object):
 
 
 DETACHED = _Detached()
+
+
+class NotDifferentiableError(BatchingError, MXNetError):
+    """``backward()`` of a lazy array MXNet cannot differentiate, said in
+    jitbatch's terms; an ``MXNetError`` too, as per sample MXNet raises one."""
 
 
 class LazyArray(NDArray, Ref):
@@ -153,6 +159,26 @@ class LazyArray(NDArray, Ref):
         # autograd its computed value is a copy, so later reads must use it)
         detach(self)
         NDArray.__setitem__(self, key, value)
+
+    def backward(self, out_grad=None, retain_graph=False, train_mode=True):
+        """``NDArray.backward``; MXNet's 'not in a computational graph' said in
+        jitbatch's terms."""
+        try:
+            return NDArray.backward(self, out_grad, retain_graph, train_mode)
+        except MXNetError as e:
+            if "not in a computational graph" not in str(e):
+                raise
+            raise NotDifferentiableError(
+                "backward() of this array: MXNet cannot differentiate it, as the launches "
+                "that computed it are not in autograd's graph. Either (1) an earlier "
+                "backward() freed them: samples merged into one launch share it; or (2) it "
+                "depends on the recorded values only through operators without a gradient "
+                "(argmax, comparisons, BlockGrad, topk indices), which jitbatch runs "
+                "outside autograd (MXNet 1.9.1 crashes otherwise): its gradient is zero; "
+                "or (3) it was computed outside autograd.record(). Fix: (1) one backward() "
+                "of the summed losses (nd.add_n(*losses).backward()), or retain_graph=True "
+                "on every backward() but the last; (2) leave it out of backward(); (3) "
+                "compute it inside autograd.record()") from e
 
     def reshape(self, *shape, **kwargs):
         if len(shape) == 1 and isinstance(shape[0], (list, tuple)):

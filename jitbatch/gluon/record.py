@@ -33,8 +33,8 @@ from .executors import is_param
 from .lazy import LazyArray, new_lazy
 from .meta import device, meta
 from .modes import mode
-from .signatures import (EXACT, EXACT_ARGS, block_signature, const_signature, exact_key,
-                         op_signature, pad_size)
+from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
+                         exact_key, op_signature, pad_size)
 from .sites import site, site_of
 
 _FLAT_IN = {n: [0] * n for n in range(1, 16)}   # formats of n plain array arguments
@@ -259,9 +259,13 @@ def _outputs(outs, ofmt):
 def record_op(g, handle, ndargs, keys, vals, output_is_list):
     """Record operator ``handle`` on ``ndargs`` (at least one lazy, or inside an
     unflagged block run on lazy arrays) in the thread's graph ``g``."""
+    if handle in VALUE_SHAPED:
+        return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     mc = [meta(a) for a in ndargs]
     mode_ = mode(g)
     info = op_signature(handle, keys, vals, mc, mode_, output_is_list)
+    if info is None:     # its output shapes depend on values: it runs now
+        return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     gr: Graph = g
     if not gr.nodes:
         _begin(g, None, mode_)

@@ -145,8 +145,15 @@ def const_signature(row, dtype, ctx):
 
 
 # -- operators ------------------------------------------------------------------------
+#: handles of operators whose output shapes depend on their inputs' values
+#: (``contrib.boolean_mask``): not recorded, their calls run on computed
+#: arguments (the shapes a signature would fix came from zeros)
+VALUE_SHAPED = set()
+
+
 def op_signature(handle, keys, vals, metas, mode, output_is_list):
-    """The signature of an operator call on arguments of ``metas``."""
+    """The signature of an operator call on arguments of ``metas``; None for
+    an operator whose output shapes depend on values (added to VALUE_SHAPED)."""
     vkey = tuple(vals)
     try:
         hash(vkey)
@@ -161,10 +168,18 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         name = _mxapi.op_name(handle)
         ctx = check_ctx(metas, "operator %s" % name)
         out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
+        try:
+            ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, "_ones")
+        except Exception:  # pylint: disable=broad-except
+            ones = out_meta     # (an index of 1 out of range: the zeros' run stands)
+        if ones != out_meta:
+            VALUE_SHAPED.add(handle)
+            return None
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
-        passing = any(gradients.passes(name, k) for k in range(len(metas)))
+        attrs = dict(zip(keys, svals))
+        passing = any(gradients.passes(name, k, attrs) for k in range(len(metas)))
         ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx,
                     gradients.launch_mode(mode, passing))
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, rule is not None,
@@ -255,12 +270,20 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                                 "along axis 0. Fix: give it a leading axis." % (block.name, i))
     kinds = sorted(set(np.dtype(d).name for d in dtypes))
     if len(kinds) > 1:
-        first = np.dtype(dtypes[0]).name
-        odd = next(i for i, d in enumerate(dtypes) if np.dtype(d).name != first)
+        # the advice casts toward a floating dtype: integer ids cast to float stay
+        # exact, features cast to an integer dtype would be truncated
+        names_ = [np.dtype(d).name for d in dtypes]
+        target = next((i for i, d in enumerate(dtypes)
+                       if np.issubdtype(np.dtype(d), np.floating)), 0)
+        odd = next(i for i, n in enumerate(names_) if n != names_[target])
+        ids = not np.issubdtype(np.dtype(dtypes[odd]), np.floating) and \
+            np.issubdtype(np.dtype(dtypes[target]), np.floating)
         raise BatchingError(
-            "block %s: argument %d is %s but argument 0 is %s; a call's arrays must share "
-            "one dtype. Fix: cast it with .astype('%s')."
-            % (block.name, odd, np.dtype(dtypes[odd]).name, first, first))
+            "block %s: argument %d is %s but argument %d is %s; a call's arrays must share "
+            "one dtype. Fix: cast argument %d with .astype('%s')%s."
+            % (block.name, odd, names_[odd], target, names_[target], odd, names_[target],
+               " (integer ids stay exact in float32 up to 2**24, and Embedding and take "
+               "read float ids)" if ids else ""))
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
         _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
@@ -291,8 +314,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         if doubled is not None:
             break
         if not a or 0 in a or not b:
-            raise BatchingError("block %s: the shape of output %d cannot be inferred from "
-                                "input shapes %s" % (block.name, k, shapes))
+            raise BatchingError(
+                "block %s: the shape of output %d cannot be inferred from input shapes %s%s. "
+                "An output whose shape depends on the values (contrib.boolean_mask) cannot "
+                "be merged. Fix: call such operators outside the flagged block, on its "
+                "outputs, or hybridize this block without dynamic_batch."
+                % (block.name, k, shapes, _unknown_shape_op(out, names, shapes)))
         if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
             raise BatchingError(
                 "block %s cannot be batched along axis 0: for inputs %s its output %d has "
@@ -335,6 +362,19 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
 
 
 _WARNED = set()   # (block name, operator node) already warned about
+
+
+def _unknown_shape_op(out, names, shapes):
+    """`` (operator X, graph node N, gives no shape)`` for the first operator of
+    ``out`` whose output shape MXNet cannot infer from ``shapes``, or ''."""
+    graph = json.loads(out.tojson())
+    nodes = graph["nodes"]
+    one, _ = contract.internal_shapes(out, nodes, names, shapes)
+    for j, node in enumerate(nodes):
+        if node["op"] != "null" and any(not s or 0 in s for s in one.get(j, [()])):
+            return " (its operator %s, graph node %s, gives no shape)" % (node["op"],
+                                                                        node["name"])
+    return ""
 
 
 def _doubling_mix(out, error):

@@ -168,7 +168,8 @@ def _differentiable(sa, sb, a_in, b_in, ctx, mode):
             b_out = sb(*(b_args + a_out))
             b_out = list(b_out) if isinstance(b_out, (list, tuple)) else [b_out]
             head = nd.add_n(*[o.sum() for o in b_out]) if len(b_out) > 1 else b_out[0].sum()
-        autograd.grad(head, a_args + b_args)
+        for g in autograd.grad(head, a_args + b_args):
+            g.wait_to_read()     # MXNet raises a kernel's error at the next wait
         return True
     except MXNetError:
         return False
