@@ -185,6 +185,7 @@ class LazyArray(NDArray, Ref):
             shape = tuple(shape[0])
         elif not shape:
             shape = tuple(kwargs.pop("shape"))
+        _check_size(self._shape, shape)
         return _nd.reshape(self, shape=shape, **kwargs)
 
     def __repr__(self):
@@ -205,6 +206,26 @@ class LazyArray(NDArray, Ref):
 
 if cython.compiled:
     jb_lazy_type(LazyArray)  # noqa: F821 (compiled only: lazy.pxd's maker learns the slots)
+
+
+def _check_size(have, shape):
+    """Refuse ``reshape`` of an array of shape ``have`` into ``shape`` (plain
+    sizes and one -1; MXNet's special codes are left to it) where the sizes
+    differ, as ``NDArray.reshape`` does: MXNet's ``Reshape`` operator, which
+    records it, reads past the rows instead."""
+    if not all(type(d) is int and (d > 0 or d == -1) for d in shape) or shape.count(-1) > 1:
+        return
+    size = known = 1
+    for d in have:
+        size *= d
+    for d in shape:
+        if d > 0:
+            known *= d
+    if (known != size) if -1 not in shape else (size % known != 0):
+        raise MXNetError(
+            "cannot reshape a lazy array of shape %s (%d values) into shape %s: the sizes "
+            "differ (NDArray.reshape refuses it too). Fix: give a shape with %d values, or "
+            "-1 for one axis." % (tuple(have), size, tuple(shape), size))
 
 
 def new_lazy(node, k, shape, dtype, ctx, view=None):

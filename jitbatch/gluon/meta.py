@@ -40,6 +40,8 @@ def device(ctx):
 _concrete = {}          # id -> (array, meta): the same concrete array (a zero state,
                         # a constant) is passed to many calls; its meta is asked once
 _LAST = [None, None]    # the concrete array meta() saw last, and its meta
+#: arrays of at most this many values have their metas cached (see meta)
+SMALL = 4096
 
 
 def meta(a):
@@ -62,9 +64,15 @@ def meta(a):
         m = (shape, dtype, c)
     else:
         m = (a.shape, a.dtype, device(a.context))
-    if len(_concrete) >= 512:
-        _concrete.clear()
-    _concrete[id(a)] = (a, m)
+    # small arrays only: the cache keeps them alive, and a sample's input of
+    # megabytes, dropped by the user, must be freed (at most 512 x SMALL values)
+    n = 1
+    for d in m[0]:
+        n *= d
+    if n <= SMALL:
+        if len(_concrete) >= 512:
+            _concrete.clear()
+        _concrete[id(a)] = (a, m)
     return m
 
 

@@ -308,8 +308,25 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "((1, T, C)) and no explicit states, or loop its cell "
                 "(gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block without "
                 "dynamic_batch. (MXNet: %s)" % (block.name, shapes, str(e).splitlines()[0]))
-        raise BatchingError("block %s: output shapes cannot be inferred from inputs %s: %s"
-                            % (block.name, shapes, e)) from e
+        params = ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
+                           for p in block.collect_params().values())
+        pdt = {np.dtype(p.dtype).name for p in block.collect_params().values()}
+        if len(pdt) == 1 and np.issubdtype(np.dtype(dtypes[0]), np.floating) and \
+                np.dtype(dtypes[0]).name not in pdt:
+            want = pdt.pop()
+            raise BatchingError(
+                "block %s: argument 0 is %s but the block's parameters are %s, so MXNet "
+                "cannot infer its outputs (%s). Fix: cast the input with .astype('%s'), or "
+                "the block with .cast('%s')."
+                % (block.name, np.dtype(dtypes[0]).name, want,
+                   str(e).strip().splitlines()[0], want, np.dtype(dtypes[0]).name)) from e
+        raise BatchingError(
+            "block %s: output shapes cannot be inferred from inputs %s (%s): %s. Fix: give "
+            "the block inputs of the shapes and dtype its parameters were made for (its "
+            "parameters: %s); per sample, plain Gluon refuses these inputs too."
+            % (block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes),
+               str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+               params or "none")) from e
     for k, (a, b) in enumerate(zip(o1, o2)):
         if doubled is not None:
             break
