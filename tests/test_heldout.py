@@ -9,7 +9,6 @@ random draws that the backward pass uses consistently."""
 import itertools
 import re
 import warnings
-import zlib
 
 import numpy as np
 import pytest
@@ -19,32 +18,12 @@ from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
 from harness import assert_same, check_model, run
-from oracle import cleanup, restore, snapshot
+from heldout import contract_warnings, initialized, nothing_pending, rng_for  # noqa: F401
+from oracle import restore, snapshot
 
 POLICIES = ["auto", "depth", "agenda"]
 GRANULARITIES = ["auto", "block", "split"]
 TRAIN = pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
-
-
-@pytest.fixture(autouse=True)
-def _nothing_pending():
-    cleanup()
-    yield
-    cleanup()
-
-
-def rng_for(*key):
-    return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
-
-
-def initialized(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
-
-
-def contract_warnings(record):
-    return [str(w.message) for w in record if issubclass(w.category, jitbatch.ContractWarning)]
 
 
 # -- 1. a 1-D CNN text classifier over variable-length token ids ------------------------

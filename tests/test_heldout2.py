@@ -11,54 +11,24 @@ updated parameters. Where jitbatch is known to fail, the test is a strict
 xfail whose reason says the class of the failure (silent wrong number or
 gradient, crash, unclear error, missed merge); a crash runs in a subprocess.
 """
-import os
-import subprocess
-import sys
 import warnings
-import zlib
 
 import numpy as np
 import pytest
-import mxnet as mx
 from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn, rnn
 from mxnet.gluon.contrib.nn import Identity
 
 import jitbatch
 from harness import assert_same, check_model, run
+from heldout import (contract_warnings, initialized, merged, nothing_pending,  # noqa: F401
+                     rng_for, run_in_subprocess, same_arrays)
 from oracle import cleanup
 
 POLICIES = ["auto", "depth", "agenda"]
 #: one granularity per policy where running every pair would be slow
 GRANULARITY_OF = {"auto": "auto", "depth": "block", "agenda": "split"}
 TRAIN = pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(autouse=True)
-def _nothing_pending():
-    cleanup()
-    yield
-    cleanup()
-
-
-def rng_for(*key):
-    return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
-
-
-def initialized(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
-
-
-def contract_warnings(record):
-    return [str(w.message) for w in record if issubclass(w.category, jitbatch.ContractWarning)]
-
-
-def merged(st):
-    """Some launch ran more than one node."""
-    return st["launches"] < st["nodes"]
 
 
 def sum_loss(y):
@@ -66,16 +36,6 @@ def sum_loss(y):
     rows or entries shows)."""
     y = y if y.dtype == np.float32 else nd.cast(y, dtype="float32")
     return nd.sum(y * nd.sin(nd.arange(y.size).reshape(y.shape) + 1))
-
-
-def run_in_subprocess(code):
-    """Run ``code`` in a fresh interpreter (for crashes of the process and
-    errors MXNet keeps for its next read); returns (exit status, stdout, stderr)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    head = "import sys\nsys.path[:0] = [%r, %r]\n" % (TESTS, os.path.dirname(TESTS))
-    res = subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True,
-                         timeout=120, env=env)
-    return res.returncode, res.stdout, res.stderr
 
 
 # -- 1. every gluon.loss on per-sample lazy outputs ------------------------------------------
@@ -443,12 +403,6 @@ def grads_of(net):
 
 def values_of(net):
     return [p.data().asnumpy().copy() for p in net.collect_params().values()]
-
-
-def same_arrays(want, got, what):
-    assert len(want) == len(got), what
-    for i, (a, b) in enumerate(zip(want, got)):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
 
 
 def plain_and_batched(program, policy, make=lambda: initialized(Encoder()), **kw):

@@ -33,20 +33,14 @@ from harness import assert_same, run
 from models import (T, binary_apply, binary_model, binary_samples, childsum_apply,
                     childsum_model, childsum_padded_model, seq_apply, seq_model, seq_samples)
 from oracle import cleanup
-from test_heldout2 import contract_warnings, merged, rng_for, run_in_subprocess, same_arrays
+from heldout import (contract_warnings, merged, nothing_pending, rng_for,  # noqa: F401
+                     run_in_subprocess, same_arrays)
 
 POLICIES = ["auto", "depth", "agenda"]
 GRANULARITIES = ["auto", "block", "split"]
 TRAIN = pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
 MAPPED = pytest.mark.parametrize("mapped", [False, True], ids=["loop", "map"])
 ZOO = sorted(n for n, e in MODELS.items() if not e.known_failure)
-
-
-@pytest.fixture(autouse=True)
-def _nothing_pending():
-    cleanup()
-    yield
-    cleanup()
 
 
 def flag(net, flags):

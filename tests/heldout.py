@@ -1,0 +1,61 @@
+"""Helpers of the held-out model tests (tests/test_heldout*.py): seeded
+generators and initial values, the warnings and counters they assert on, and
+a fresh interpreter for programs that crash MXNet or leave it an error."""
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import mxnet as mx
+
+import jitbatch
+from oracle import cleanup
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def nothing_pending():
+    """Every held-out test starts and ends with no graph pending (imported by
+    each test module, where it applies to every test)."""
+    cleanup()
+    yield
+    cleanup()
+
+
+def rng_for(*key):
+    """A generator seeded by ``key`` (the same draws in every run)."""
+    return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
+
+
+def initialized(net, seed=0):
+    mx.random.seed(seed)
+    net.initialize(mx.init.Uniform(0.5))
+    return net
+
+
+def contract_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, jitbatch.ContractWarning)]
+
+
+def merged(st):
+    """Some launch ran more than one node."""
+    return st["launches"] < st["nodes"]
+
+
+def same_arrays(want, got, what):
+    assert len(want) == len(got), what
+    for i, (a, b) in enumerate(zip(want, got)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
+
+
+def run_in_subprocess(code):
+    """Run ``code`` in a fresh interpreter (for crashes of the process and
+    errors MXNet keeps for its next read); returns (exit status, stdout, stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    head = "import sys\nsys.path[:0] = [%r, %r]\n" % (TESTS, os.path.dirname(TESTS))
+    res = subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    return res.returncode, res.stdout, res.stderr
