@@ -17,14 +17,14 @@ import threading
 OLD_GENERATIONS = 1000
 
 _lock = threading.Lock()
-_holders = {}       # id of a pending graph -> its thread
+_holders = {}       # id of a pending graph -> the graph
 _saved = [None]     # the thresholds to restore
 
 
 def _drop_dead_threads():
     if _holders:
         alive = {t.ident for t in threading.enumerate()}
-        for k in [k for k, t in _holders.items() if t not in alive]:
+        for k in [k for k, g in _holders.items() if g.thread not in alive]:
             del _holders[k]
     if not _holders and _saved[0] is not None:
         gc.set_threshold(*_saved[0])
@@ -39,7 +39,7 @@ def defer(graph):
             t = gc.get_threshold()
             _saved[0] = t
             gc.set_threshold(t[0], max(t[1], OLD_GENERATIONS), max(t[2], OLD_GENERATIONS))
-        _holders[id(graph)] = graph.thread
+        _holders[id(graph)] = graph
 
 
 def restore(graph):
@@ -47,6 +47,12 @@ def restore(graph):
     with _lock:
         _holders.pop(id(graph), None)
         _drop_dead_threads()
+
+
+def pending():
+    """The graphs pending now, of every thread."""
+    with _lock:
+        return list(_holders.values())
 
 
 def deferred():

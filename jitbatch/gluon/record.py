@@ -16,14 +16,16 @@ try:
 except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
+import threading
+
 import numpy as np
 from mxnet.context import Context
-from mxnet.gluon.block import _flatten, _regroup
+from mxnet.gluon.block import Block, _flatten, _regroup
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from .. import config as _config
-from .. import cost, execute, pipeline
+from .. import cost, execute, gcdefer, pipeline
 from ..errors import BatchingError
 from ..graph import Composite, Graph, Node, current_graph
 from ..signature import SigInfo
@@ -89,6 +91,8 @@ def before_write(target):
     it was called with, as per-sample code does (inside ``autograd.record``
     MXNet then refuses the write, as it refuses it per sample)."""
     g: Graph = current_graph()
+    if is_param(target):
+        _refuse_if_read_elsewhere(target, g)
     if not g.nodes or g.executing:
         return
     if type(target) is LazyArray or id(target) in g.reads or is_param(target):
@@ -102,6 +106,26 @@ def before_write(target):
                 "autograd information); merged, the call read rows gathered from it, and "
                 "jitbatch refuses the write alike. Fix: write a new array (c = c + x) "
                 "instead of changing this one in place.")
+
+
+def _refuse_if_read_elsewhere(target, mine):
+    """A write to parameter array ``target``: refused while calls of another
+    thread that read it are pending (this thread cannot run that thread's
+    graph, and they would compute with the new value)."""
+    for other in gcdefer.pending():
+        og: Graph = other
+        if og is mine or not og.nodes or og.executing:
+            continue
+        for block in og.reads.values():
+            if isinstance(block, Block) and any(
+                    a is target for p in block.collect_params().values()
+                    for a in (p._data or ())):  # pylint: disable=protected-access
+                raise BatchingError(
+                    "a parameter of block %s is written in thread %d while calls that read "
+                    "it are pending in thread %d: they would compute with the new value, as "
+                    "per sample they computed when called. Fix: read their outputs (or call "
+                    "jitbatch.flush()) in thread %d before another thread writes the "
+                    "parameters." % (block.name, threading.get_ident(), og.thread, og.thread))
 
 
 def _read_while_recording(target):
