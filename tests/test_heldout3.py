@@ -1079,11 +1079,10 @@ def test_strict_mode_raises_then_the_warning_mode_runs_right(config):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="missing error: config.strict = True set after an "
-                   "unmergeable block already ran (with its ContractWarning) never raises for "
-                   "calls of the shapes seen before: the verdict is cached per exact call; a "
-                   "new shape raises")
 def test_strict_mode_set_after_a_first_run_raises(config):
+    """config.strict = True set after an unmergeable block ran (with its
+    ContractWarning) raises for the shapes seen before too (the verdict was
+    cached per exact call and only a new shape raised)."""
     mx.random.seed(8)
     net = CentredStep()
     net.initialize(mx.init.Uniform(0.5))

@@ -52,7 +52,7 @@ class BlockExec(object):
     bounded tables, which must not keep users' models alive (the graph holds
     the blocks of its pending calls: ``record``)."""
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages", "merges", "_static", "_static_of")
+                 "stages", "merges", "why", "_static", "_static_of")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
 
@@ -60,6 +60,7 @@ class BlockExec(object):
                  weak=True):
         self._block = weakref.ref(block) if weak else (lambda: block)
         self.merges = merges  # False: its graph mixes samples (contract), one call each
+        self.why = None       # where it does not merge: the ContractWarning's text
         self.fmt = fmt
         self.in_meta = in_meta
         self.out_meta = out_meta

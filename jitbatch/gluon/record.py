@@ -169,6 +169,10 @@ def record_block(block, g, x, args, frame):
     info = EXACT.get(key)     # this exact call seen before: its signature
     if info is None:
         info = block_signature(block, allargs, flat, fmt, fkey, mode_, key)
+    elif not info.batchable and _config.strict:
+        why = getattr(info.op, "why", None)   # strict set after the signature was made
+        if why is not None:
+            raise BatchingError(why)
     gr: Graph = g
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)

@@ -354,10 +354,11 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         # exact only one sample at a time: each call runs as its own launch
         if pad is not None:
             _check_pad_outputs(block, out, names, shapes, o1, pad)
-        _unmergeable(block, mix)
+        why = _unmergeable(block, mix)
         if rkey is not None:
             TABLE.add(rkey, lambda sid: _NOT_RAGGED)
         ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, merges=False)
+        ex.why = why    # config.strict set later raises it (record_block)
         return TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, False, block.name))
     if pad is not None:
         _check_pad_outputs(block, out, names, shapes, o1, pad)
@@ -415,7 +416,7 @@ def _doubling_mix(out, error):
 
 def _unmergeable(block, mix):
     """Say once per block and operator that ``block``'s calls run per sample
-    (``mix``: why), or raise under ``config.strict``."""
+    (``mix``: why), or raise under ``config.strict``; returns what it says."""
     msg = ("block %s cannot merge its calls: its operator %s (graph node %s) %s. Its calls "
            "run one per sample: exact, not batched. Fix: keep each sample's rows apart "
            "inside the block (per-sample data with a leading axis of 1, reductions and "
@@ -427,6 +428,7 @@ def _unmergeable(block, mix):
     if (block.name, mix.node) not in _WARNED:
         _WARNED.add((block.name, mix.node))
         warnings.warn(msg, ContractWarning, stacklevel=2)
+    return msg
 
 
 def _check_pad_outputs(block, out, names, shapes, o1, pad):
