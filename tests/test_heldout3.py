@@ -1147,12 +1147,8 @@ def test_zero_pad_beyond_the_inputs_axes_is_named_and_recovers():
     assert_next_call_is_right(net)
 
 
-@pytest.mark.xfail(strict=True, reason="unclear error: zero_pad(dense, x=1) on a Dense's "
-                   "feature axis raises at the call BatchingError 'zero_pad(x=1) declared, but "
-                   "the block cannot take inputs of shapes [(1, 5)] (one more along the padded "
-                   "axes): MXNetError: ... Shape inconsistent' without a fix (e.g. declare only "
-                   "axes the block reduces over, or drop the declaration)")
 def test_zero_pad_of_an_axis_the_block_cannot_grow_gives_a_fix():
+    """zero_pad on a Dense's feature axis: refused at the call, with a fix."""
     net = dense_flagged()
     jitbatch.zero_pad(net, x=1)
     with pytest.raises(jitbatch.BatchingError, match=r"(?s)zero_pad\(x=1\).*Fix"):

@@ -438,9 +438,13 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
     try:
         _, o3, _ = out.infer_shape_partial(**dict(zip(names, grown)))
     except Exception as e:
-        raise BatchingError("block %s: zero_pad(%s) declared, but the block cannot take "
-                            "inputs of shapes %s (one more along the padded axes): %s"
-                            % (block.name, pad_names(block), grown, e)) from e
+        raise BatchingError(
+            "block %s: zero_pad(%s) declared, but the block cannot take inputs of shapes %s "
+            "(one more along the padded axes): %s. Fix: declare only axes whose size the "
+            "block takes as it comes (a sum or a masked softmax over them, e.g. children or "
+            "keys), or drop the declaration: jitbatch.zero_pad(block) with no axes."
+            % (block.name, pad_names(block), grown,
+               str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)) from e
     for k, (a, b) in enumerate(zip(o1, o3)):
         if tuple(a) != tuple(b):
             raise BatchingError(
