@@ -91,11 +91,12 @@ def before_write(target):
     it was called with, as per-sample code does (inside ``autograd.record``
     MXNet then refuses the write, as it refuses it per sample)."""
     g: Graph = current_graph()
-    if is_param(target):
+    param = is_param(target)
+    if param:
         _refuse_if_read_elsewhere(target, g)
     if not g.nodes or g.executing:
         return
-    if type(target) is LazyArray or id(target) in g.reads or is_param(target):
+    if param or type(target) is LazyArray or id(target) in g.reads:
         read = _read_while_recording(target)
         execute.run_graph(g, reason="write")
         if read and _mxapi.autograd_state()[0]:

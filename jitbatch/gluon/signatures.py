@@ -307,10 +307,9 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "create the layer with layout='NTC' and give each sample a leading axis of 1 "
                 "((1, T, C)) and no explicit states, or loop its cell "
                 "(gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block without "
-                "dynamic_batch. (MXNet: %s)" % (block.name, shapes, str(e).splitlines()[0]))
-        params = ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
-                           for p in block.collect_params().values())
-        pdt = {np.dtype(p.dtype).name for p in block.collect_params().values()}
+                "dynamic_batch. (MXNet: %s)" % (block.name, shapes, _first_line(e)))
+        params = list(block.collect_params().values())
+        pdt = {np.dtype(p.dtype).name for p in params}
         if len(pdt) == 1 and np.issubdtype(np.dtype(dtypes[0]), np.floating) and \
                 np.dtype(dtypes[0]).name not in pdt:
             want = pdt.pop()
@@ -318,15 +317,15 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "block %s: argument 0 is %s but the block's parameters are %s, so MXNet "
                 "cannot infer its outputs (%s). Fix: cast the input with .astype('%s'), or "
                 "the block with .cast('%s')."
-                % (block.name, np.dtype(dtypes[0]).name, want,
-                   str(e).strip().splitlines()[0], want, np.dtype(dtypes[0]).name)) from e
+                % (block.name, np.dtype(dtypes[0]).name, want, _first_line(e), want,
+                   np.dtype(dtypes[0]).name)) from e
         raise BatchingError(
             "block %s: output shapes cannot be inferred from inputs %s (%s): %s. Fix: give "
             "the block inputs of the shapes and dtype its parameters were made for (its "
             "parameters: %s); per sample, plain Gluon refuses these inputs too."
-            % (block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes),
-               str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
-               params or "none")) from e
+            % (block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), _first_line(e),
+               ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
+                         for p in params) or "none")) from e
     for k, (a, b) in enumerate(zip(o1, o2)):
         if doubled is not None:
             break
@@ -380,6 +379,13 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
 
 
 _WARNED = set()   # (block name, operator node) already warned about
+
+
+def _first_line(error):
+    """The first line of an MXNet error's text (its type's name if it has none),
+    for a message of jitbatch's own."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _unknown_shape_op(out, names, shapes):
@@ -443,8 +449,7 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
             "(one more along the padded axes): %s. Fix: declare only axes whose size the "
             "block takes as it comes (a sum or a masked softmax over them, e.g. children or "
             "keys), or drop the declaration: jitbatch.zero_pad(block) with no axes."
-            % (block.name, pad_names(block), grown,
-               str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)) from e
+            % (block.name, pad_names(block), grown, _first_line(e))) from e
     for k, (a, b) in enumerate(zip(o1, o3)):
         if tuple(a) != tuple(b):
             raise BatchingError(
