@@ -6,9 +6,9 @@ from mxnet import autograd, nd
 import jitbatch
 
 
-def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
-        granularity="auto", mapped=False):
-    """``mapped``: the samples through ``jitbatch.map`` instead of a loop."""
+def prepare(net, flag, policy="auto", granularity="auto", hybridize_plain=False):
+    """``net`` flagged (``flag``), hybridized plainly (``hybridize_plain``) or
+    per-sample Gluon, its gradients zeroed; its parameters."""
     if flag:
         net.hybridize(dynamic_batch=True, policy=policy, granularity=granularity)
     elif hybridize_plain:
@@ -19,6 +19,13 @@ def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
     for p in params.values():
         if p.grad_req != "null" and p._data is not None:
             p.zero_grad()
+    return params
+
+
+def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
+        granularity="auto", mapped=False):
+    """``mapped``: the samples through ``jitbatch.map`` instead of a loop."""
+    params = prepare(net, flag, policy, granularity, hybridize_plain)
 
     def each():
         if mapped:

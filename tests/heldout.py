@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 import pytest
 import mxnet as mx
+from mxnet import nd
 
 import jitbatch
 from oracle import cleanup
@@ -34,6 +35,18 @@ def initialized(net, seed=0):
     mx.random.seed(seed)
     net.initialize(mx.init.Uniform(0.5))
     return net
+
+
+def square_loss(net, x):
+    """``(net(x), the sum of its squares)``: a sample's output and a loss that
+    reaches every entry (check_model's ``apply``)."""
+    y = net(x)
+    return y, nd.sum(y * y)
+
+
+def row_sequences(rng, n, width):
+    """``n`` samples of 1-4 rows of ``width`` values."""
+    return [nd.array(rng.normal(size=(int(rng.integers(1, 5)), width))) for _ in range(n)]
 
 
 def contract_warnings(record):

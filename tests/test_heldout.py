@@ -17,8 +17,9 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
-from harness import assert_same, check_model, run
-from heldout import contract_warnings, initialized, nothing_pending, rng_for  # noqa: F401
+from harness import assert_same, check_model, prepare, run
+from heldout import (contract_warnings, initialized, nothing_pending, rng_for,  # noqa: F401
+                     row_sequences, square_loss)
 from oracle import restore, snapshot
 
 POLICIES = ["auto", "depth", "agenda"]
@@ -117,13 +118,8 @@ class NormDropRNN(gluon.Block):
         return self.head(h)
 
 
-def normdrop_samples(rng, n, hidden=6):
-    return [nd.array(rng.normal(size=(int(rng.integers(1, 5)), hidden))) for _ in range(n)]
-
-
-def normdrop_apply(net, seq):
-    y = net(seq)
-    return y, nd.sum(y * y)
+def normdrop_samples(rng, n):
+    return row_sequences(rng, n, 6)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -134,7 +130,7 @@ def test_layernorm_dropout_rnn(train, policy, granularity, recwarn):
     Dropout operator in the training graph with nothing random in it."""
     rate = 0.0 if train else 0.5
     st = check_model(lambda: initialized(NormDropRNN(rate=rate)), normdrop_samples,
-                     normdrop_apply, rng_for("normdrop", train, policy, granularity), 7,
+                     square_loss, rng_for("normdrop", train, policy, granularity), 7,
                      train, policy, granularity)
     assert not contract_warnings(recwarn.list)
     if policy != "auto":
@@ -253,14 +249,9 @@ def bn_samples(rng, n):
     return [nd.array(rng.normal(size=(1, 3, int(rng.integers(4, 6))))) for _ in range(n)]
 
 
-def bn_apply(net, x):
-    y = net(x)
-    return y, nd.sum(y * y)
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_batchnorm_inference_merges(policy, recwarn):
-    st = check_model(bn_make, bn_samples, bn_apply, rng_for("bn-infer", policy), 8, False,
+    st = check_model(bn_make, bn_samples, square_loss, rng_for("bn-infer", policy), 8, False,
                      policy)
     assert not contract_warnings(recwarn.list)
     if policy != "auto":
@@ -270,7 +261,7 @@ def test_batchnorm_inference_merges(policy, recwarn):
 def _bn_training(net, snap, samples, flag, policy):
     restore(net, snap)              # the same parameters and running statistics
     jitbatch.reset_stats()
-    outs, grads = run(net, bn_apply, samples, True, flag, policy)
+    outs, grads = run(net, square_loss, samples, True, flag, policy)
     stats = [net.enc.bn.running_mean.data().asnumpy(), net.enc.bn.running_var.data().asnumpy()]
     return (outs, grads), stats, jitbatch.stats()
 
@@ -324,14 +315,7 @@ def run_recorded_in_predict_mode(net, apply, samples, flag, policy, backward_tra
     """Outputs and gradients of the samples recorded under
     ``autograd.record(train_mode=False)`` (frozen BatchNorm, Dropout off: how one
     fine-tunes or takes input gradients), then ``backward(train_mode=...)``."""
-    if flag:
-        net.hybridize(dynamic_batch=True, policy=policy)
-    else:
-        net.hybridize(active=False)
-    params = net.collect_params()
-    for p in params.values():
-        if p.grad_req != "null":
-            p.zero_grad()
+    params = prepare(net, flag, policy)
     try:
         with autograd.record(train_mode=False):
             res = [apply(net, s) for s in samples]
@@ -357,10 +341,10 @@ def test_batchnorm_recorded_in_predict_mode(policy, global_stats, backward_train
     be plain Gluon's either way."""
     net = bn_make(global_stats)
     samples = bn_samples(rng_for("bn-predict", policy), 6)
-    ref = run_recorded_in_predict_mode(net, bn_apply, samples, False, policy,
+    ref = run_recorded_in_predict_mode(net, square_loss, samples, False, policy,
                                        backward_train_mode)
     jitbatch.reset_stats()
-    got = run_recorded_in_predict_mode(net, bn_apply, samples, True, policy,
+    got = run_recorded_in_predict_mode(net, square_loss, samples, True, policy,
                                        backward_train_mode)
     st = jitbatch.stats()
     warned = contract_warnings(recwarn.list)
@@ -379,9 +363,9 @@ def test_layernorm_dropout_recorded_in_predict_mode(policy, backward_train_mode)
     mode the backward pass runs in."""
     net = initialized(NormDropRNN(rate=0.5))
     samples = normdrop_samples(rng_for("normdrop-predict", policy), 7)
-    ref = run_recorded_in_predict_mode(net, normdrop_apply, samples, False, policy,
+    ref = run_recorded_in_predict_mode(net, square_loss, samples, False, policy,
                                        backward_train_mode)
-    got = run_recorded_in_predict_mode(net, normdrop_apply, samples, True, policy,
+    got = run_recorded_in_predict_mode(net, square_loss, samples, True, policy,
                                        backward_train_mode)
     assert_same(ref, got)
 
@@ -607,13 +591,8 @@ class SharedEncoderDecoder(gluon.Block):
         return y
 
 
-def shared_samples(rng, n, hidden=5):
-    return [nd.array(rng.normal(size=(int(rng.integers(1, 5)), hidden))) for _ in range(n)]
-
-
-def shared_apply(net, seq):
-    y = net(seq)
-    return y, nd.sum(y * y)
+def shared_samples(rng, n):
+    return row_sequences(rng, n, 5)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -622,7 +601,7 @@ def shared_apply(net, seq):
 def test_shared_parameters_and_a_multi_output_block(train, policy, granularity):
     net = initialized(SharedEncoderDecoder())
     assert net.decoder.weight is net.encoder.weight
-    st = check_model(lambda: net, shared_samples, shared_apply,
+    st = check_model(lambda: net, shared_samples, square_loss,
                      rng_for("shared", train, policy, granularity), 7, train, policy,
                      granularity)
     if policy != "auto":
@@ -757,20 +736,15 @@ def ponder_samples(rng, n):
     return [nd.array(rng.normal(size=(1, 4)) * 2) for _ in range(n)]
 
 
-def ponder_apply(net, x):
-    y = net(x)
-    return y, nd.sum(y * y)
-
-
 @pytest.mark.parametrize("mapped", [False, True], ids=["loop", "map"])
 @pytest.mark.parametrize("policy", POLICIES)
 @TRAIN
 def test_reading_a_value_mid_sample(train, policy, mapped):
     net = initialized(Pondering())
     samples = ponder_samples(rng_for("ponder", train, policy), 10)
-    ref = run(net, ponder_apply, samples, train, flag=False)
+    ref = run(net, square_loss, samples, train, flag=False)
     jitbatch.reset_stats()
-    got = run(net, ponder_apply, samples, train, flag=True, policy=policy, mapped=mapped)
+    got = run(net, square_loss, samples, train, flag=True, policy=policy, mapped=mapped)
     assert_same(ref, got)
     st = jitbatch.stats()
     if mapped and policy != "auto":
@@ -828,15 +802,10 @@ def _keys_samples(rng, n):
     return [nd.array(rng.normal(size=(1, 3))) for _ in range(n)]
 
 
-def _keys_apply(net, x):
-    y = net(x)
-    return y, nd.sum(y * y)
-
-
 @pytest.mark.parametrize("transpose_b", [False, True])
 @TRAIN
 def test_scores_against_learned_keys(train, transpose_b):
-    check_model(lambda: initialized(KeysByTransposeB(transpose_b)), _keys_samples, _keys_apply,
+    check_model(lambda: initialized(KeysByTransposeB(transpose_b)), _keys_samples, square_loss,
                 rng_for("keys", train, transpose_b), 6, train, "depth")
 
 

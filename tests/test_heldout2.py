@@ -22,7 +22,7 @@ from mxnet.gluon.contrib.nn import Identity
 import jitbatch
 from harness import assert_same, check_model, run
 from heldout import (contract_warnings, initialized, merged, nothing_pending,  # noqa: F401
-                     rng_for, run_in_subprocess, same_arrays)
+                     rng_for, run_in_subprocess, same_arrays, square_loss)
 from oracle import cleanup
 
 POLICIES = ["auto", "depth", "agenda"]
@@ -178,11 +178,6 @@ class TwoLayer(HybridBlock):
         return self.b(self.a(x))
 
 
-def two_layer_apply(net, x):
-    y = net(x)
-    return y, nd.sum(y * y)
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @TRAIN
 def test_float64_network(train, policy):
@@ -194,7 +189,7 @@ def test_float64_network(train, policy):
     def samples(rng, n):
         return [nd.array(rng.normal(size=(int(rng.integers(1, 3)), 3)), dtype="float64")
                 for _ in range(n)]
-    st = check_model(make, samples, two_layer_apply, rng_for("f64", train, policy), 6, train,
+    st = check_model(make, samples, square_loss, rng_for("f64", train, policy), 6, train,
                      policy)
     if policy != "auto":
         assert merged(st), st
@@ -244,9 +239,9 @@ def test_float16_recurrent_network(train, policy):
                 for _ in range(n)]
     net = make()
     data = samples(rng_for("f16", train, policy), 6)
-    ref = run(net, two_layer_apply, data, train, flag=False)
+    ref = run(net, square_loss, data, train, flag=False)
     jitbatch.reset_stats()
-    got = run(net, two_layer_apply, data, train, flag=True, policy=policy)
+    got = run(net, square_loss, data, train, flag=True, policy=policy)
     assert_same(ref, got, rtol=2e-3, atol=2e-3)
     if policy != "auto":
         assert merged(jitbatch.stats()), jitbatch.stats()
@@ -280,7 +275,7 @@ def ids_samples(dtype):
 @pytest.mark.parametrize("policy", POLICIES)
 @TRAIN
 def test_integer_ids_and_astype_between_blocks(train, policy, dtype):
-    check_model(lambda: initialized(IdsToFloat64()), ids_samples(dtype), two_layer_apply,
+    check_model(lambda: initialized(IdsToFloat64()), ids_samples(dtype), square_loss,
                 rng_for("ids", train, policy, dtype), 6, train, policy)
 
 
@@ -290,7 +285,7 @@ def test_integer_ids_and_astype_between_blocks(train, policy, dtype):
                    "(18 launches for 18 nodes); nd.cast(h, dtype=...) stays lazy")
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
 def test_astype_between_blocks_merges(policy):
-    st = check_model(lambda: initialized(IdsToFloat64()), ids_samples("int32"), two_layer_apply,
+    st = check_model(lambda: initialized(IdsToFloat64()), ids_samples("int32"), square_loss,
                      rng_for("astype-merge", policy), 6, False, policy)
     assert merged(st) and st["flushes"] == 1, st
 
@@ -325,7 +320,7 @@ def test_a_minibatch_of_two_dtypes(train, policy):
     def samples(rng, n):
         return [nd.array(rng.normal(size=(1, 3)), dtype="float64" if i % 2 else "float32")
                 for i in range(n)]
-    st = check_model(lambda: initialized(TwoDtypes()), samples, two_layer_apply,
+    st = check_model(lambda: initialized(TwoDtypes()), samples, square_loss,
                      rng_for("two-dtypes", train, policy), 6, train, policy)
     if policy != "auto":
         assert merged(st), st
@@ -339,12 +334,12 @@ def test_a_minibatch_of_two_dtypes(train, policy):
 def test_cast_after_a_dynamic_batch_run(policy):
     net = initialized(TwoLayer())
     xs = [nd.array(rng_for("recast", policy).normal(size=(1, 3))) for _ in range(4)]
-    assert_same(run(net, two_layer_apply, xs, True, flag=False),
-                run(net, two_layer_apply, xs, True, flag=True, policy=policy))
+    assert_same(run(net, square_loss, xs, True, flag=False),
+                run(net, square_loss, xs, True, flag=True, policy=policy))
     net.cast("float64")
     xs64 = [x.astype("float64") for x in xs]
-    ref = run(net, two_layer_apply, xs64, True, flag=False)
-    got = run(net, two_layer_apply, xs64, True, flag=True, policy=policy)
+    ref = run(net, square_loss, xs64, True, flag=False)
+    got = run(net, square_loss, xs64, True, flag=True, policy=policy)
     assert_same(ref, got)
 
 
@@ -1074,11 +1069,6 @@ def ragged_rows(rng, n):
     return [nd.array(rng.normal(size=(int(rng.integers(1, 4)), 3))) for _ in range(n)]
 
 
-def head_apply(net, x):
-    y = net(x)
-    return y, nd.sum(y * y)
-
-
 @pytest.mark.parametrize("mapped", [False, True], ids=["loop", "map"])
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
 @TRAIN
@@ -1086,8 +1076,8 @@ def head_apply(net, x):
 def test_python_side_use_of_lazy_arrays(use, train, policy, mapped):
     net = initialized(PyUse(use))
     samples = ragged_rows(rng_for("py", use.__name__, train, policy), 6)
-    ref = run(net, head_apply, samples, train, flag=False)
-    got = run(net, head_apply, samples, train, flag=True, policy=policy, mapped=mapped)
+    ref = run(net, square_loss, samples, train, flag=False)
+    got = run(net, square_loss, samples, train, flag=True, policy=policy, mapped=mapped)
     assert_same(ref, got)
 
 
@@ -1325,7 +1315,7 @@ def test_blocks(name, train, policy, recwarn):
 
     def samples(rng, n):
         return [one(rng) for _ in range(n)]
-    st = check_model(lambda: initialized(cls()), samples, head_apply,
+    st = check_model(lambda: initialized(cls()), samples, square_loss,
                      rng_for("block", name, train, policy), 6, train, policy,
                      GRANULARITY_OF[policy])
     assert not contract_warnings(recwarn.list)
@@ -1338,8 +1328,8 @@ def test_blocks_under_map(policy):
     cls, one = BLOCKS["unroll-residual"]
     net = initialized(cls())
     samples = [one(rng_for("block-map", policy)) for _ in range(6)]
-    ref = run(net, head_apply, samples, True, flag=False)
-    got = run(net, head_apply, samples, True, flag=True, policy=policy, mapped=True)
+    ref = run(net, square_loss, samples, True, flag=False)
+    got = run(net, square_loss, samples, True, flag=True, policy=policy, mapped=True)
     assert_same(ref, got)
 
 
@@ -1364,7 +1354,7 @@ class PReLUMLP(HybridBlock):
                    "in a graph; unhybridized per-sample Gluon is exact")
 @pytest.mark.parametrize("policy", ["sequential", "depth", "agenda"])
 def test_prelu_between_layers(policy):
-    check_model(lambda: initialized(PReLUMLP()), ragged_rows, head_apply,
+    check_model(lambda: initialized(PReLUMLP()), ragged_rows, square_loss,
                 rng_for("prelu", policy), 6, True, policy)
 
 
@@ -1391,7 +1381,7 @@ def test_fused_gru_in_ntc_layout_called_directly():
     check_model(lambda: initialized(FusedGRU()),
                 lambda rng, n: [nd.array(rng.normal(size=(1, length(rng, 1, 4), 3)))
                                 for _ in range(n)],
-                head_apply, rng_for("fused-ntc"), 5, True, "depth")
+                square_loss, rng_for("fused-ntc"), 5, True, "depth")
 
 
 class EmbedStep(HybridBlock):
@@ -1427,7 +1417,7 @@ def test_embedding_inside_a_recurrent_step_under_split(policy):
         return [nd.array(rng.integers(0, 10, length(rng, 2, 4))) for _ in range(n)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jitbatch.ContractWarning)
-        check_model(lambda: initialized(EmbedRNN()), samples, head_apply,
+        check_model(lambda: initialized(EmbedRNN()), samples, square_loss,
                     rng_for("embed-split", policy), 5, True, policy, "split")
 
 
@@ -1435,6 +1425,6 @@ def test_embedding_inside_a_recurrent_step_under_split(policy):
 def test_embedding_inside_a_recurrent_step_by_block(policy):
     def samples(rng, n):
         return [nd.array(rng.integers(0, 10, length(rng, 2, 4))) for _ in range(n)]
-    st = check_model(lambda: initialized(EmbedRNN()), samples, head_apply,
+    st = check_model(lambda: initialized(EmbedRNN()), samples, square_loss,
                      rng_for("embed-block", policy), 5, True, policy, "block")
     assert merged(st), st

@@ -14,7 +14,7 @@ import jitbatch
 from jitbatch import cost, schedule
 from jitbatch.signature import SigInfo
 
-from harness import assert_same
+from harness import assert_same, prepare
 
 
 class SumCell(HybridBlock):
@@ -51,13 +51,7 @@ def samples(rng, ks):
 
 
 def run(net, data, flag, policy="depth", produced=False, train=True):
-    if flag:
-        net.hybridize(dynamic_batch=True, policy=policy)
-    else:
-        net.hybridize(active=False)
-    params = net.collect_params()
-    for p in params.values():
-        p.zero_grad()
+    params = prepare(net, flag, policy)
     with autograd.record(train_mode=train):
         kids = [k.reshape((1,) + k.shape) if produced else k for _, k in data]
         outs = [net(x, kid, produced) for (x, _), kid in zip(data, kids)]
