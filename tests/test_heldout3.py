@@ -366,15 +366,7 @@ def write_while_predictions_pend(net, flags, how, samples, path):
     return [y.asnumpy() for y in before + after]
 
 
-WRITES = ["set_data", "trainer.step", "load_parameters",
-          pytest.param("force_reinit", marks=pytest.mark.xfail(
-              strict=True, reason="LOST STATE: net.initialize(force_reinit=True) while "
-              "predictions are pending raises ExecutionError ('Parameter ... has not been "
-              "initialized') from inside initialize: MXNet sets the parameters' data to None, "
-              "then the initializer's write into the new array (random.uniform(out=...)) "
-              "flushes the pending calls, which read the parameters; the predictions are lost "
-              "(StaleValueError) and the parameters are left uninitialized, so the NEXT "
-              "minibatch fails too (plain Gluon: both fine)"))]
+WRITES = ["set_data", "trainer.step", "load_parameters", "force_reinit"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

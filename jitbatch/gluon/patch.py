@@ -15,6 +15,7 @@ from mxnet.base import mx_real_t as _mx_real_t
 from mxnet.context import current_context
 
 from mxnet.gluon.block import Block, HybridBlock
+from mxnet.gluon.parameter import Parameter
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.ndarray import NDArray, register
 from mxnet import ndarray as _ndmod
@@ -131,6 +132,22 @@ def _stack(*data, **kwargs):
     if res is not None:
         return res
     return _mxapi.nd_stack(*data, **kwargs)
+
+
+def _make_initialize(orig):
+    """``Parameter.initialize``: with ``force_reinit`` MXNet drops the arrays
+    before the initializer writes new ones, so this thread's pending calls,
+    which may read them, run first (as a write to them runs them)."""
+    @wraps(orig)
+    def initialize(self, *args, **kwargs):
+        force = kwargs.get("force_reinit", args[3] if len(args) > 3 else False)
+        if force and self._data is not None:  # pylint: disable=protected-access
+            before_write(self._data[0])       # pylint: disable=protected-access
+            g: Graph = current_graph()
+            if g.nodes and not g.executing:
+                execute.run_graph(g, reason="write")
+        return orig(self, *args, **kwargs)
+    return initialize
 
 
 def _waitall():
@@ -343,6 +360,7 @@ def install():
     _set(register, "_imperative_invoke", _invoke)
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", _setitem)
+    _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()
