@@ -326,11 +326,7 @@ def test_a_minibatch_of_two_dtypes(train, policy):
         assert merged(st), st
 
 
-@pytest.mark.xfail(strict=True, reason="unclear error: after a dynamic-batch run, net.cast() "
-                   "(which plain hybridize() supports) makes the next call raise BatchingError "
-                   "'output shapes cannot be inferred ... Incompatible attr ... expected "
-                   "float64, got float32' (the block's traced graph keeps the old dtype)")
-@pytest.mark.parametrize("policy", ["depth", "agenda"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_cast_after_a_dynamic_batch_run(policy):
     net = initialized(TwoLayer())
     xs = [nd.array(rng_for("recast", policy).normal(size=(1, 3))) for _ in range(4)]

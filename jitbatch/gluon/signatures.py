@@ -287,7 +287,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
         _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
-        _, ot, _ = out.infer_type(**dict(zip(names, dtypes)))
+        _, ot, _ = out.infer_type(**_param_dtypes(block, out, dict(zip(names, dtypes))))
         try:
             _, o2, _ = out.infer_shape_partial(
                 **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
@@ -379,6 +379,17 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
 
 
 _WARNED = set()   # (block name, operator node) already warned about
+
+
+def _param_dtypes(block, out, known):
+    """``known`` (input name -> dtype) with the dtypes of the block's parameters
+    as they hold them: a parameter's symbol keeps the dtype it was made with,
+    which ``block.cast`` does not change."""
+    args = set(out.list_arguments())
+    for p in block.collect_params().values():
+        if p.name in args and p.name not in known and p._data is not None:  # pylint: disable=protected-access
+            known[p.name] = p._data[0].dtype  # pylint: disable=protected-access
+    return known
 
 
 def _first_line(error):
