@@ -1354,30 +1354,49 @@ def test_prelu_between_layers(policy):
                 rng_for("prelu", policy), 6, True, policy)
 
 
-class FusedGRU(gluon.Block):
-    """A fused ``rnn.GRU(layout='NTC')`` called directly on the (1, T, 3) sample,
-    no explicit states: what the documented fix for fused layers asks for."""
+class FusedRNN(gluon.Block):
+    """A fused layer (``rnn.GRU`` / ``LSTM`` / ``RNN``, layout NTC) called
+    directly on the (1, T, 3) sample, no explicit states, then a Dense on its
+    last step."""
 
-    def __init__(self, **kw):
-        super(FusedGRU, self).__init__(**kw)
+    def __init__(self, kind="GRU", layers=1, bidirectional=False, **kw):
+        super(FusedRNN, self).__init__(**kw)
         with self.name_scope():
-            self.gru = rnn.GRU(3, input_size=3, layout="NTC")
-            self.out = nn.Dense(2, in_units=3)
+            self.rnn = getattr(rnn, kind)(3, num_layers=layers, input_size=3, layout="NTC",
+                                          bidirectional=bidirectional)
+            self.out = nn.Dense(2, in_units=6 if bidirectional else 3)
 
     def forward(self, x):
-        return self.out(self.gru(x)[:, -1])
+        return self.out(self.rnn(x)[:, -1])
 
 
-@pytest.mark.xfail(strict=True, reason="unclear error: the fused layer called directly from "
-                   "per-sample code already has layout='NTC', a (1, T, C) sample and no explicit "
-                   "states, yet the BatchingError says 'in layout TNC the layer's batch axis is "
-                   "1' and its Fix is exactly that (Gluon's forward passes begin states of shape "
-                   "(layers, 1, H), batch axis 1); only wrapping it in a HybridBlock works")
-def test_fused_gru_in_ntc_layout_called_directly():
-    check_model(lambda: initialized(FusedGRU()),
-                lambda rng, n: [nd.array(rng.normal(size=(1, length(rng, 1, 4), 3)))
-                                for _ in range(n)],
-                square_loss, rng_for("fused-ntc"), 5, True, "depth")
+FUSED = [dict(kind="GRU"), dict(kind="LSTM", layers=2), dict(kind="RNN", bidirectional=True)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("layer", FUSED, ids=lambda d: "-".join(map(str, d.values())))
+@TRAIN
+def test_fused_layer_in_ntc_layout_called_directly_merges(train, layer, policy):
+    # Gluon hands the layer begin states of shape (layers, 1, H), batch axis 1:
+    # jitbatch records the call with the states made inside the merged graph
+    rng = rng_for("fused-ntc", train, policy, *layer.values())
+    samples = [nd.array(rng.normal(size=(1, T, 3))) for T in (2, 3, 2, 3, 2)]
+    st = check_model(lambda: initialized(FusedRNN(**layer)), lambda rng, n: samples,
+                     square_loss, rng, len(samples), train, policy)
+    if policy != "auto":
+        assert merged(st), st
+
+
+def test_fused_layer_with_explicit_states_keeps_the_tnc_message():
+    """States the user passes are not zeros jitbatch could make: the call
+    keeps the error that gives the fix."""
+    net = initialized(FusedRNN())
+    net.hybridize(dynamic_batch=True)
+    x = nd.ones((1, 2, 3))
+    with pytest.raises(jitbatch.BatchingError, match=r"fused RNN layer.*Fix:"):
+        net.rnn(x, net.rnn.begin_state(1))
+    assert_same(run(net, square_loss, [x], False, flag=False),
+                run(net, square_loss, [x], False, flag=True))
 
 
 class EmbedStep(HybridBlock):

@@ -53,4 +53,6 @@ MODELS = {e.name: e for e in [
           known_failure="fused RNN layers batch along axis 1 (TNC); jitbatch batches along "
                         "axis 0 and rejects the layer: BatchingError, output shapes cannot "
                         "be inferred (issue 23, item 3)"),
+    Entry("fused_gru_ntc", fused_gru, "the same fused layer in layout NTC, called without states",
+          options=dict(layout="NTC"), tiny=_TINY, tiny_data=dict(vocab=20, max_len=7)),
 ]}

@@ -29,6 +29,7 @@ from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, parse_flags, renew_token
+from .fused import stateless
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
@@ -270,6 +271,12 @@ def _call(self, *args):
             rnn = fwd is not _forward and fwd is recurrent_forward and \
                 len(args) == 2 and _recurrent_is_hybrid(type(self))
             if (fwd is _forward or rnn) and self._active and not np_array_mode():
+                target = self
+                if fwd is _forward and len(args) == 2 and type(args[0]) is not Symbol:
+                    target = stateless(self, args) or self
+                if target is not self:   # a fused layer in NTC: its states made inside
+                    res = record_block(target, g, args[0], (), _getframe(0))
+                    return _mxapi.block_call(self, *args) if res is None else res
                 res = record_block(self, g, args[0], args[1:], _getframe(0))  # pylint: disable=protected-access
                 if res is not None:
                     if rnn:
