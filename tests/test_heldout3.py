@@ -800,8 +800,8 @@ def test_a_shape_bug_after_a_flagged_block_is_refused_as_in_plain_gluon(bug):
     assert status == 0 and "the next minibatch is right" in out, err[-1500:]
 
 
-#: shape bugs plain Gluon refuses, after which jitbatch leaves an error behind:
-#: id -> (the bug, why it fails)
+#: shape bugs plain Gluon refuses, after which jitbatch left an error behind
+#: until 2026-11-26: id -> (the bug, how it failed)
 LATE_ERRORS = {
     "slice-past-the-end": (
         "y[:, 5:7]",
@@ -818,8 +818,7 @@ LATE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("bug", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=v[1]))
-                                 for k, v in sorted(LATE_ERRORS.items())])
+@pytest.mark.parametrize("bug", sorted(LATE_ERRORS))
 def test_a_shape_error_after_a_flagged_block_leaves_nothing_behind(bug):
     """In a subprocess: MXNet keeps an asynchronous error for a later read."""
     status, out, err = run_in_subprocess(SHAPE_BUG % {"bug": LATE_ERRORS[bug][0]})
@@ -853,10 +852,6 @@ print("same as plain Gluon")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="LOST STATE: nd.sum(y[1:]) of a one-row lazy output "
-                   "(an empty slice; plain Gluon's sum is 0) raises MXNet's 'Operator _zeros "
-                   "inferring shapes failed' in inference, and the next evaluation raises "
-                   "'MXNetError: Check failed: delay_alloc'")
 def test_the_sum_of_an_empty_slice_in_evaluation():
     """In a subprocess: MXNet keeps an asynchronous error for a later read."""
     status, out, err = run_in_subprocess(EMPTY_SLICE)

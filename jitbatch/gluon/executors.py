@@ -305,11 +305,13 @@ class ConstExec(object):
 
 def infer_outputs(handle, metas, keys, vals, ctx, fill="_zeros"):
     """Per-sample output (shape, dtype) list of an operator, found by running it
-    once on zeros (``fill="_ones"``: on ones)."""
+    once on zeros (``fill="_ones"``: on ones). A kernel's error (an index out of
+    range, arrays whose shapes MXNet's inference let through) raises here, at
+    the call: left to the engine, it would stay in an array no one reads and
+    reach a later read."""
     with ctx, autograd.pause(train_mode=False):
         args = [_mxapi.zeros(s, ctx, d, fill) for s, d in metas]
         out = _mxapi.run_op(handle, args, keys, vals)
-        if fill != "_zeros":
-            for o in out:      # a kernel's error (an index out of range) raises here
-                o.wait_to_read()
+        for o in out:
+            o.wait_to_read()
     return tuple((o.shape, o.dtype) for o in out)

@@ -151,6 +151,8 @@ class LazyArray(NDArray, Ref):
         if isinstance(key, (numbers.Integral, slice)):
             key = (key,)
         if isinstance(key, tuple) and all(isinstance(k, (numbers.Integral, slice)) for k in key):
+            if _empty_slice(self, key):
+                return _empty_index(self, key)
             return _tuple_index(self, key)
         return NDArray.__getitem__(self, key)
 
@@ -322,6 +324,25 @@ def _view(arr, r0, rc, squeeze, new_shape):
         return None
     _, dtype, ctx = meta_of(arr)
     return new_lazy(node, k_of(arr), new_shape, dtype, ctx, (r0, rc, squeeze))
+
+
+def _empty_slice(arr, key):
+    """Whether basic index ``key`` (ints and slices) selects nothing along an axis."""
+    shape = arr._shape
+    for ax, k in enumerate(key):
+        if type(k) is slice and ax < len(shape) and not len(range(*k.indices(shape[ax]))):
+            return True
+    return False
+
+
+def _empty_index(arr, key):
+    """``arr[key]`` where ``key`` selects nothing along an axis, as MXNet gives
+    it: an empty array along axis 0, an MXNetError along any other (MXNet 1.x
+    reads a 0 there as an unknown size). Either way the answer does not depend
+    on ``arr``'s values, so the index runs at once on zeros of its shape: no
+    operator is recorded that would hand a merged launch an empty array."""
+    _, dtype, ctx = meta_of(arr)
+    return NDArray.__getitem__(_nd.zeros(arr._shape, ctx=ctx, dtype=dtype), key)
 
 
 def _tuple_index(arr, key):
