@@ -454,6 +454,19 @@ def _batch_norm(f, states):
     return a
 
 
+@_register("MakeLoss")
+def _make_loss(f, states):
+    # the identity forward; its gradient is divided by the launch's rows
+    # ('batch') or its count of valid entries ('valid'), which merging changes
+    if f.get("normalization", "null") != "null":
+        raise Refuse("divides its gradient by the rows of its launch (normalization=%r): "
+                      "merged, by every merged sample's" % f.get("normalization"))
+    return states[0]
+
+
+RULES["make_loss"] = _make_loss
+
+
 @_register("Dropout")
 def _dropout(f, states):
     a = states[0]
@@ -517,7 +530,7 @@ Activation LeakyReLU sigmoid tanh relu softsign exp expm1 log log1p log2 log10 s
 rcbrt square abs negative reciprocal sign floor ceil round rint fix trunc sin cos tan arcsin
 arccos arctan sinh cosh arcsinh arccosh arctanh erf erfinv gamma gammaln degrees radians clip
 Cast cast amp_cast amp_multicast zeros_like ones_like _copy identity BlockGrad stop_gradient
-make_loss MakeLoss elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _minus _mul _div
+elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _minus _mul _div
 _Plus _Minus _Mul _Div _grad_add _maximum _minimum _power _hypot _mod maximum minimum
 _plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar _power_scalar
 _rpower_scalar _maximum_scalar _minimum_scalar _hypot_scalar _mod_scalar _rmod_scalar

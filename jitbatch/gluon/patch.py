@@ -104,8 +104,12 @@ def _verify_legacy(op_name, func_name, args, out):
 
 
 def _setitem(self, key, value):
-    """``NDArray.__setitem__``: pending readers of the array run first."""
+    """``NDArray.__setitem__``: pending readers of the array run first; a lazy
+    value is written as its computed array (MXNet takes only an exact NDArray
+    as an array, anything else as Python data)."""
     before_write(self)
+    if type(value) is LazyArray:
+        value = value.value()
     return _mxapi.nd_setitem(self, key, value)
 
 

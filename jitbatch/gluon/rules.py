@@ -217,12 +217,21 @@ def _dropout(attrs, keys, vals, ins, outs):
     return ("elemwise", keys, vals, None)
 
 
+def _make_loss(attrs, keys, vals, ins, outs):
+    # its gradient is divided by the rows of its call ('batch') or its count of
+    # valid entries ('valid'): merged, by every merged sample's
+    if attrs.get("normalization", "null") != "null":
+        return None
+    return _same_elemwise(attrs, keys, vals, ins, outs)
+
+
 # -- the registry ------------------------------------------------------------------------
+_register("MakeLoss make_loss", _make_loss)
 elemwise("""
 Activation sigmoid tanh relu softsign exp expm1 log log1p log2 log10 sqrt rsqrt cbrt square abs
 negative reciprocal sign floor ceil round rint fix trunc sin cos tan arcsin arccos arctan sinh
 cosh arcsinh arccosh arctanh erf erfinv gamma gammaln degrees radians clip Cast cast
-zeros_like ones_like _copy identity BlockGrad stop_gradient make_loss MakeLoss
+zeros_like ones_like _copy identity BlockGrad stop_gradient
 elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _minus _mul _div _Plus _Minus _Mul _Div
 _grad_add _maximum _minimum _power _hypot _mod
 _plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar _power_scalar

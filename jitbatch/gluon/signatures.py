@@ -286,11 +286,17 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                "read float ids)" if ids else ""))
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
-        _, o1, _ = out.infer_shape_partial(**dict(zip(names, shapes)))
-        _, ot, _ = out.infer_type(**_param_dtypes(block, out, dict(zip(names, dtypes))))
+        # an input the graph does not use is not among its arguments (MXNet
+        # warns of it and runs the block): inference must not name it
+        used = set(out.list_arguments())
+        _, o1, _ = out.infer_shape_partial(
+            **{nm: s for nm, s in zip(names, shapes) if nm in used})
+        _, ot, _ = out.infer_type(**_param_dtypes(
+            block, out, {nm: d for nm, d in zip(names, dtypes) if nm in used}))
         try:
             _, o2, _ = out.infer_shape_partial(
-                **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)})
+                **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)
+                   if nm in used})
         except Exception as e:  # pylint: disable=broad-except
             if '"op": "RNN"' in out.tojson():
                 raise
