@@ -223,12 +223,7 @@ class Smooth(HybridBlock):
         return self.b(F.tanh(self.a(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="unclear error: autograd.grad(create_graph=True) through a "
-                   "flagged block raises MXNet's raw 'CachedOp does not support higher order "
-                   "gradients ... please do not use hybridize' (the user hybridized nothing but "
-                   "dynamic_batch; plain per-sample Gluon runs it); expected plain Gluon's "
-                   "numbers or a BatchingError naming the block and create_graph")
-@pytest.mark.parametrize("policy", ["auto"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_gradient_penalty_with_create_graph(policy):
     xs = rows(("penalty",))
     want = gradient_penalty(seeded(Smooth)(), None, xs)

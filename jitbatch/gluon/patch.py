@@ -11,10 +11,11 @@ from sys import _getframe
 from functools import wraps
 
 import numpy as np
-from mxnet.base import mx_real_t as _mx_real_t
+from mxnet import autograd as _autograd
+from mxnet.base import MXNetError, mx_real_t as _mx_real_t
 from mxnet.context import current_context
 
-from mxnet.gluon.block import Block, HybridBlock
+from mxnet.gluon.block import Block, HybridBlock, SymbolBlock
 from mxnet.gluon.parameter import Parameter
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.ndarray import NDArray, register
@@ -30,7 +31,7 @@ from . import _mxapi, meta, rewrite, signatures
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, parse_flags, renew_token
 from .fused import stateless
-from .lazy import LazyArray, detach
+from .lazy import LazyArray, NotDifferentiableError, detach, node_of
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
                      record_filled, record_op, rows_composite, stack)
@@ -155,6 +156,45 @@ def _make_initialize(orig):
     return initialize
 
 
+def _make_export(orig):
+    """``HybridBlock.export``: MXNet saves the parameters its CachedOp was
+    built with, which a block whose calls are still pending has not built yet:
+    this thread's pending calls run first."""
+    @wraps(orig)
+    def export(self, *args, **kwargs):
+        g: Graph = current_graph()
+        if g.nodes and not g.executing:
+            execute.run_graph(g, reason="export")
+        return orig(self, *args, **kwargs)
+    return export
+
+
+def _make_grad(orig):
+    """``autograd.grad``: MXNet's refusal of ``create_graph=True`` through a
+    CachedOp (every flagged block's launch is one) said in jitbatch's terms,
+    with the blocks and the fix; an ``MXNetError`` still."""
+    @wraps(orig)
+    def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=False,
+             train_mode=True):
+        names = ()
+        if create_graph:      # the heads' blocks, while their nodes are pending
+            seq = heads if isinstance(heads, (list, tuple)) else [heads]
+            names = sorted({node_of(h).info.name for h in seq
+                            if type(h) is LazyArray and type(node_of(h)) is Node})
+        try:
+            return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
+        except MXNetError as e:
+            if not create_graph or "higher order gradients" not in str(e):
+                raise
+            raise NotDifferentiableError(
+                "autograd.grad(..., create_graph=True) reached the launches of flagged "
+                "block(s) %s: they run as hybridized graphs (CachedOps), which MXNet 1.9.1 "
+                "differentiates once only (plain hybridize() refuses alike). Fix: for a "
+                "gradient of a gradient (a gradient penalty), call these blocks with "
+                "hybridize(active=False)." % (", ".join(names) or "on its path")) from e
+    return grad
+
+
 def _waitall():
     """``nd.waitall``: what is pending in this thread's graph runs first, so a
     timing around it includes the work."""
@@ -245,6 +285,8 @@ def _scoped_forward(self, x, args):
 
 
 _RECURRENT = {}   # class -> whether its RecurrentCell.forward goes on to _forward
+# an imported graph's forward: its graph is traced already, its call a CachedOp's
+_SYMBOL_FORWARD = SymbolBlock.forward
 
 
 def _recurrent_is_hybrid(cls):
@@ -274,7 +316,8 @@ def _call(self, *args):
             fwd = type(self).forward
             rnn = fwd is not _forward and fwd is recurrent_forward and \
                 len(args) == 2 and _recurrent_is_hybrid(type(self))
-            if (fwd is _forward or rnn) and self._active and not np_array_mode():
+            if (fwd is _forward or rnn or fwd is _SYMBOL_FORWARD) and self._active and \
+                    not np_array_mode():
                 target = self
                 if fwd is _forward and len(args) == 2 and type(args[0]) is not Symbol:
                     target = stateless(self, args) or self
@@ -372,6 +415,8 @@ def install():
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", _setitem)
     _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
+    _set(HybridBlock, "export", _make_export(HybridBlock.export))
+    _set(_autograd, "grad", _make_grad(_autograd.grad))
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()

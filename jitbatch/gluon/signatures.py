@@ -23,6 +23,8 @@ import json
 import warnings
 
 import numpy as np
+from mxnet import autograd
+from mxnet.gluon.block import _flatten
 
 from .. import config as _config
 from ..errors import BatchingError, ContractWarning
@@ -332,6 +334,23 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             % (block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), _first_line(e),
                ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
                          for p in params) or "none")) from e
+    if doubled is None and any(not a or 0 in a for a in o1):
+        flow = _control_flow(out)
+        if flow is not None and mode[0] and flow.op in ("_cond", "_while_loop"):
+            raise BatchingError(
+                "block %s holds %s (graph node %s), recorded by autograd: MXNet 1.9.1's "
+                "hybridized graphs give wrong gradients through it (garbage where a branch "
+                "or iteration did not run; plain hybridize() too), so jitbatch does not run "
+                "it. Fix: compute both branches and pick with F.where (a loop: unroll it to "
+                "its fixed count), or call this block unhybridized (hybridize(active=False)) "
+                "in training." % (block.name, flow.op, flow.node))
+        if flow is not None:
+            # MXNet infers no shapes through a subgraph; they do not depend on
+            # the values (cond's branches and a loop's outputs have fixed
+            # shapes), so one run on zeros gives them; the loop or predicate is
+            # one per launch, so the calls run per sample
+            o1 = o2 = _shapes_by_running(block, args, mode)
+            doubled = flow
     for k, (a, b) in enumerate(zip(o1, o2)):
         if doubled is not None:
             break
@@ -418,6 +437,38 @@ def _unknown_shape_op(out, names, shapes):
     return ""
 
 
+#: operators holding a subgraph, through which MXNet infers no shapes
+CONTROL_FLOW = ("_cond", "_while_loop", "_foreach")
+
+
+def _control_flow(out):
+    """The ``Mix`` of the first control-flow operator of a traced symbol
+    ``out``, or None."""
+    for node in json.loads(out.tojson())["nodes"]:
+        if node["op"] in CONTROL_FLOW:
+            return contract.Mix(node["op"], node["name"],
+                                "runs a subgraph whose predicate or loop is one per launch "
+                                "(merged samples would share it)")
+    return None
+
+
+def _shapes_by_running(block, args, mode):
+    """Output shapes of ``block`` called on zeros shaped as ``args`` (nested
+    lists of arrays), autograd paused, in the call's train mode."""
+    def zeros(a):
+        if isinstance(a, (list, tuple)):
+            return [zeros(b) for b in a]
+        if a is None:
+            return None
+        return _mxapi.zeros(tuple(a.shape), a.context, a.dtype, "_zeros")
+    with autograd.pause(train_mode=mode[1]):
+        res = block._call_cached_op(*[zeros(a) for a in args])  # pylint: disable=protected-access
+    outs, _ = _flatten(res, "output")
+    for o in outs:
+        o.wait_to_read()
+    return [o.shape for o in outs]
+
+
 def _doubling_mix(out, error):
     """The ``Mix`` of a traced symbol ``out`` whose shapes MXNet could infer at
     a call's shapes but not at twice the rows (``error``): the operator MXNet
@@ -480,14 +531,21 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
 
 def _rowwise_any_length(out, names, shapes, o1):
     """True if every output keeps the inputs' shared leading length L, checked by
-    shape inference at L and at a length no multiple of it."""
+    shape inference at L, at a length no multiple of it and at 1 (where
+    ``squeeze()`` without an axis drops the leading axis too)."""
     length = shapes[0][0]
     if any(a[0] != length for a in o1):
         return False
-    other = 2 * length + 1
-    try:
-        _, o3, _ = out.infer_shape_partial(
-            **{nm: (other,) + tuple(s[1:]) for nm, s in zip(names, shapes)})
-    except Exception:  # pylint: disable=broad-except
-        return False
-    return all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:]) for a, b in zip(o1, o3))
+    used = set(out.list_arguments())
+    for other in (2 * length + 1, 1):
+        if other == length:
+            continue
+        try:
+            _, o3, _ = out.infer_shape_partial(
+                **{nm: (other,) + tuple(s[1:]) for nm, s in zip(names, shapes) if nm in used})
+        except Exception:  # pylint: disable=broad-except
+            return False
+        if not all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:])
+                   for a, b in zip(o1, o3)):
+            return False
+    return True
