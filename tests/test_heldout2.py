@@ -783,12 +783,10 @@ print("same as plain Gluon")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="unclear error: an autograd.Function that saves a lazy "
-                   "array for its backward: in backward() MXNet's callback records on the lazy "
-                   "array while the graph runs; thousands of lines of RecursionError / "
-                   "StaleValueError, then MXNetError 'Check failed: ... "
-                   "kCustomFunctionBackward', also re-raised by waitall at exit")
 def test_autograd_function_saving_a_lazy_array():
+    """MXNet's callback writes the Function's backward results into its own
+    arrays (``[:] =``); a lazy result failed there until 2026-11-26 (a
+    recursion of StaleValueError, then kCustomFunctionBackward)."""
     status, out, err = run_in_subprocess(CUSTOM_FUNCTION)
     assert status == 0 and "same as plain Gluon" in out, err[-1500:]
 
