@@ -657,22 +657,29 @@ def backward_per_sample(net, batch, mapped=False):
     return [loss.asnumpy() for loss in losses] + grads_of(net)
 
 
-@pytest.mark.parametrize("mapped", [False, True], ids=["loop", "map"])
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
-def test_one_backward_per_sample_is_a_clear_error(policy, mapped):
+def test_one_backward_per_sample_is_a_clear_error(policy):
     """Plain Gluon runs one backward() per sample's loss. Merged, the samples
     share their launches and the first backward() frees them: a BatchingError
     that says so and gives the fix (one backward() of the sum), not MXNet's
     bare 'Cannot differentiate node'."""
     with pytest.raises(jitbatch.BatchingError, match=r"(?s)freed them.*Fix.*add_n"):
         plain_and_batched(backward_per_sample, policy,
-                          batch=minibatches(("per-sample-backward",))[0], mapped=mapped)
+                          batch=minibatches(("per-sample-backward",))[0])
 
 
-@pytest.mark.xfail(strict=True, reason="unclear error: autograd.grad per sample inside "
-                   "jitbatch.map (a saliency map per sample) raises MXNet's 'Cannot "
-                   "differentiate node ... retain_graph=True' once the samples' forward passes "
-                   "merged; the plain loop (one flush per sample) is fine")
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+def test_one_backward_per_sample_under_map(policy):
+    """Inside jitbatch.map each sample's backward() keeps the graph its
+    launches share with the other samples (retain_graph), so per-sample
+    backward() with grad_req='add' gives plain Gluon's gradients."""
+    want, got, st = plain_and_batched(backward_per_sample, policy,
+                                      batch=minibatches(("per-sample-backward",))[0],
+                                      mapped=True)
+    same_arrays(want, got, "loss or gradient")
+    assert merged(st), st
+
+
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
 def test_saliency_per_sample_under_map(policy):
     def saliency(net, batch):
@@ -683,8 +690,9 @@ def test_saliency_per_sample_under_map(policy):
                 y = nd.sum(net(x))
             return autograd.grad(y, [x])[0]
         return [g.asnumpy() for g in jitbatch.map(one, batch)]
-    want, got, _ = plain_and_batched(saliency, policy, batch=minibatches(("saliency",))[0])
+    want, got, st = plain_and_batched(saliency, policy, batch=minibatches(("saliency",))[0])
     same_arrays(want, got, "input gradient")
+    assert merged(st), st
 
 
 @pytest.mark.parametrize("op", ["argmax", "greater"])

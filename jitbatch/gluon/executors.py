@@ -12,6 +12,7 @@ import weakref
 
 import numpy as np
 from mxnet import autograd
+from mxnet.base import MXNetError
 from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
 
@@ -312,6 +313,13 @@ def infer_outputs(handle, metas, keys, vals, ctx, fill="_zeros"):
     with ctx, autograd.pause(train_mode=False):
         args = [_mxapi.zeros(s, ctx, d, fill) for s, d in metas]
         out = _mxapi.run_op(handle, args, keys, vals)
-        for o in out:
-            o.wait_to_read()
+        try:
+            for o in out:
+                o.wait_to_read()
+        except MXNetError:
+            try:    # MXNet keeps the error for every later wait too: drain it
+                _mxapi.waitall()
+            except MXNetError:
+                pass
+            raise
     return tuple((o.shape, o.dtype) for o in out)

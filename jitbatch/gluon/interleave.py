@@ -20,7 +20,7 @@ from ..graph import current_graph, recorder, share
 from . import _mxapi
 from .modes import forget_mode
 
-__all__ = ["map_samples"]
+__all__ = ["map_samples", "in_sample"]
 
 
 class _Here(threading.local):
@@ -192,6 +192,11 @@ class _Run(object):
             finally:
                 self.ready.extend(self.parked)
                 self.parked = []
+
+
+def in_sample():
+    """Whether this thread runs a sample of ``jitbatch.map``."""
+    return _here.task is not None
 
 
 def map_samples(fn, *iterables):

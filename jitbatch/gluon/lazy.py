@@ -21,6 +21,7 @@ from .. import execute
 from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Ref, recorder
 from . import _mxapi
+from .interleave import in_sample
 from .layout import extent
 
 
@@ -164,7 +165,10 @@ class LazyArray(NDArray, Ref):
 
     def backward(self, out_grad=None, retain_graph=False, train_mode=True):
         """``NDArray.backward``; MXNet's 'not in a computational graph' said in
-        jitbatch's terms."""
+        jitbatch's terms. A sample of ``jitbatch.map`` keeps the graph: its
+        launches are shared with the other samples, whose backward() comes next."""
+        if not retain_graph and in_sample():
+            retain_graph = True
         try:
             return NDArray.backward(self, out_grad, retain_graph, train_mode)
         except MXNetError as e:

@@ -31,6 +31,7 @@ from . import _mxapi, meta, rewrite, signatures
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, parse_flags, renew_token
 from .fused import stateless
+from .interleave import in_sample
 from .lazy import LazyArray, NotDifferentiableError, detach, node_of
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
@@ -177,8 +178,12 @@ def _make_grad(orig):
     def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=False,
              train_mode=True):
         names = ()
+        seq = heads if isinstance(heads, (list, tuple)) else [heads]
+        if not retain_graph and not create_graph and in_sample():
+            # a sample of jitbatch.map: its launches are shared with the other
+            # samples, whose gradients come next
+            retain_graph = True
         if create_graph:      # the heads' blocks, while their nodes are pending
-            seq = heads if isinstance(heads, (list, tuple)) else [heads]
             names = sorted({node_of(h).info.name for h in seq
                             if type(h) is LazyArray and type(node_of(h)) is Node})
         try:
@@ -301,7 +306,8 @@ def _recurrent_is_hybrid(cls):
 def _call(self, *args):
     """``Block.__call__`` of a flagged block: if user code raises while
     recording, the nodes this call recorded are dropped (and their lazy arrays
-    fail loudly when read), so the next minibatch starts clean."""
+    fail loudly when read), so the next minibatch starts clean (in a plain
+    loop; inside ``jitbatch.map`` they stay)."""
     if self._jb_cfg is None:
         return _mxapi.block_call(self, *args)
     g: Graph = current_graph()
@@ -331,7 +337,10 @@ def _call(self, *args):
                     return res
         return _mxapi.block_call(self, *args)
     except BaseException as e:
-        if not g.executing and g.discard_since(mark, e):
+        # a sample of jitbatch.map shares the graph with the other samples,
+        # which record into it while this one waits at a read: the nodes past
+        # the mark are not only this call's, so they stay (they ran right)
+        if not g.executing and not in_sample() and g.discard_since(mark, e):
             STATS.add(failures=1)
         raise
 

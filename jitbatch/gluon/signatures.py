@@ -490,19 +490,23 @@ def _doubling_mix(out, error):
 
 def _unmergeable(block, mix):
     """Say once per block and operator that ``block``'s calls run per sample
-    (``mix``: why), or raise under ``config.strict``; returns what it says."""
-    msg = ("block %s cannot merge its calls: its operator %s (graph node %s) %s. Its calls "
-           "run one per sample: exact, not batched. Fix: keep each sample's rows apart "
-           "inside the block (per-sample data with a leading axis of 1, reductions and "
-           "random draws over the other axes), or hybridize this block without "
-           "dynamic_batch; jitbatch.config.strict = True makes this an error."
-           % (block.name, mix.op, mix.node, mix.why))
+    (``mix``: why), or raise under ``config.strict``; returns the error's text
+    (``config.strict`` set later raises it)."""
+    what = ("block %s cannot merge its calls: its operator %s (graph node %s) %s."
+            % (block.name, mix.op, mix.node, mix.why))
+    fix = ("Fix: keep each sample's rows apart inside the block (per-sample data with a "
+           "leading axis of 1, reductions and random draws over the other axes), or hybridize "
+           "this block without dynamic_batch")
+    error = ("%s jitbatch.config.strict is set, so this is an error (without it the calls "
+             "would run unmerged, each on its own). %s." % (what, fix))
     if _config.strict:
-        raise BatchingError(msg)
+        raise BatchingError(error)
     if (block.name, mix.node) not in _WARNED:
         _WARNED.add((block.name, mix.node))
-        warnings.warn(msg, ContractWarning, stacklevel=2)
-    return msg
+        warnings.warn("%s Its calls run one per sample: exact, not batched. %s; "
+                      "jitbatch.config.strict = True makes this an error." % (what, fix),
+                      ContractWarning, stacklevel=2)
+    return error
 
 
 def _check_pad_outputs(block, out, names, shapes, o1, pad):
