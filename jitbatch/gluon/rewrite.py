@@ -23,7 +23,15 @@ in two, (before, k, size / k * after), along the new ``k`` axis with that axis
 squeezed moves the same elements in contiguous runs: the outputs are the same
 arrays (copies, bit for bit), forward and backward. The rewrite inserts the
 ``Reshape`` (a view, run in place) in front of each such split.
-``jitbatch.config.fast_splits = False`` turns it off."""
+``jitbatch.config.fast_splits = False`` turns it off.
+
+``exact_prelu`` (always on: a correctness rewrite): MXNet 1.9.1's
+``LeakyReLU(act_type='prelu')`` gives its ``gamma`` a wrong gradient in a
+hybridized graph where its output meets another operator (a quarter of the
+right one over four calls; plain ``hybridize()`` alike). Each such node
+becomes ``where(x > 0, x, x * gamma)`` over ``x`` viewed as (N, C, -1) and
+``gamma`` as (1, C, 1), reshaped back like ``x``: the same values, bit for
+bit, and the gradients of per-sample Gluon."""
 import json
 
 from mxnet import symbol as _sym
@@ -88,6 +96,43 @@ def fast_splits(graph):
     return count
 
 
+def exact_prelu(graph):
+    """Every ``LeakyReLU(act_type='prelu')`` of the parsed ``graph`` made the
+    elementwise operators of the module docstring, in place; returns how many.
+    Node ids change: every reference is renumbered."""
+    nodes = graph["nodes"]
+    out, where = [], {}
+    count = 0
+
+    def add(op, name, inputs, attrs=None):
+        out.append({"op": op, "name": name, "attrs": attrs or {}, "inputs": inputs})
+        return [len(out) - 1, 0, 0]
+    for i, node in enumerate(nodes):
+        node["inputs"] = [[where[e[0]]] + list(e[1:]) for e in node["inputs"]]
+        attrs = node.get("attrs") or {}
+        if node["op"] == "LeakyReLU" and attrs.get("act_type") == "prelu" and \
+                len(node["inputs"]) == 2:
+            x, gamma = node["inputs"]
+            name = node["name"]
+            x3 = add("Reshape", name + "_jbx", [x], {"shape": "(0, 0, -1)"})
+            g3 = add("Reshape", name + "_jbgamma", [gamma], {"shape": "(1, -1, 1)"})
+            pos = add("_greater_scalar", name + "_jbpos", [x3], {"scalar": "0"})
+            neg = add("broadcast_mul", name + "_jbneg", [x3, g3])
+            y3 = add("where", name + "_jbwhere", [pos, x3, neg])
+            node["op"] = "reshape_like"
+            node["attrs"] = {k: v for k, v in attrs.items() if k.startswith("__")}
+            node["inputs"] = [y3, x]
+            count += 1
+        where[i] = len(out)
+        out.append(node)
+    if count:
+        graph["nodes"] = out
+        graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
+        graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
+        graph.pop("node_row_ptr", None)
+    return count
+
+
 def rewrite(out):
     """``(symbol, counts)``: ``out`` with the rewrites ``config`` turns on
     applied; ``counts`` maps each rewrite's name to how many operators it
@@ -98,6 +143,7 @@ def rewrite(out):
         counts["fast_activations"] = fast_activations(graph)
     if _config.fast_splits:
         counts["fast_splits"] = fast_splits(graph)
+    counts["exact_prelu"] = exact_prelu(graph)
     if not any(counts.values()):
         return out, counts
     return _sym.load_json(json.dumps(graph)), counts
