@@ -58,3 +58,59 @@ strict = False
 #: ones end, so a minibatch larger than it flushes each read point once per
 #: this many samples
 map_threads = 256
+
+
+# -- checked at assignment -------------------------------------------------------------
+# Reads stay plain module attribute reads (the hot path); an assignment of a
+# bad value or an unknown name is a FlagError at the line that made it.
+import numbers as _numbers
+import sys as _sys
+import types as _types
+
+from .errors import FlagError as _FlagError
+
+
+def _flag(v):
+    return isinstance(v, bool)
+
+
+def _count(least):
+    return lambda v: isinstance(v, _numbers.Integral) and not isinstance(v, bool) and v >= least
+
+
+#: setting -> (check, what it expects, its default)
+_EXPECTED = {
+    "max_pending": (_count(1), "an int >= 1 (pending nodes at which a graph runs itself)",
+                    200000),
+    "pipeline": (_flag, "True or False", True),
+    "debug": (_flag, "True or False", False),
+    "defer_gc": (_flag, "True or False", True),
+    "fast_activations": (_flag, "True or False", True),
+    "fast_splits": (_flag, "True or False", True),
+    "row_buckets": (_count(0), "an int >= 0 (launch sizes per doubling; 0: exact sizes)", 16),
+    "strict": (_flag, "True or False", False),
+    "map_threads": (_count(1), "an int >= 1 (the most samples of a jitbatch.map running "
+                               "at once)", 256),
+}
+
+
+class _Settings(_types.ModuleType):
+    """This module's type: assignments to its settings are checked."""
+
+    def __setattr__(self, name, value):
+        if not name.startswith("_"):
+            known = _EXPECTED.get(name)
+            if known is None:
+                raise _FlagError(
+                    "jitbatch.config.%s: no such setting. Fix: use one of %s."
+                    % (name, ", ".join(sorted(_EXPECTED))))
+            if not known[0](value):
+                raise _FlagError(
+                    "jitbatch.config.%s = %r: expected %s. Fix: set it to such a value, e.g. "
+                    "%r (the default)." % (name, value, known[1], known[2]))
+            if isinstance(value, _numbers.Integral) and not isinstance(value, bool):
+                value = int(value)
+        super(_Settings, self).__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Settings

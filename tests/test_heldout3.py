@@ -15,6 +15,7 @@ gives plain Gluon's numbers. Known failures are strict xfails whose reason
 gives the class (silent wrong result, lost state, unclear error).
 """
 import copy
+import re
 import gc
 import sys
 import threading
@@ -1142,27 +1143,25 @@ def test_zero_pad_of_an_axis_the_block_cannot_grow_gives_a_fix():
         net(nd.ones((1, 4))).asnumpy()
 
 
-def test_max_pending_none_is_unbounded_or_a_clear_error(config):
+@pytest.mark.parametrize("field,value", [("max_pending", None), ("max_pending", "10"),
+                                         ("max_pending", 0), ("map_threads", 0),
+                                         ("row_buckets", -3), ("strict", "False")])
+def test_a_bad_setting_is_refused_where_it_is_made(config, field, value):
+    """Settings are checked at the assignment (jitbatch.config's module type):
+    FlagError naming the setting, the value, what it expects and a fix; the
+    setting keeps its value and the next minibatch runs."""
+    before = getattr(config, field)
+    with pytest.raises(jitbatch.FlagError,
+                       match=r"jitbatch\.config\.%s = %s: expected .*Fix" % (field, re.escape(repr(value)))):
+        setattr(config, field, value)
+    assert getattr(config, field) == before
     net = dense_flagged()
-    config.max_pending = None
-    try:
-        y = net(nd.ones((1, 4)))
-    except jitbatch.JitBatchError as e:
-        assert "max_pending" in str(e) and "Fix" in str(e), str(e)
-    else:
-        assert y.shape == (1, 3)
+    assert jitbatch.map(net, [nd.ones((1, 4)) * i for i in range(3)])[2].shape == (1, 3)
 
 
-def test_map_threads_zero_is_refused_or_runs(config):
-    config.map_threads = 0
-    net = dense_flagged()
-    xs = [nd.ones((1, 4)) * i for i in range(3)]
-    try:
-        ys = jitbatch.map(net, xs)
-    except jitbatch.JitBatchError as e:
-        assert "map_threads" in str(e), str(e)
-    else:
-        assert all(y is not None for y in ys), ys
+def test_a_misspelt_setting_is_refused(config):
+    with pytest.raises(jitbatch.FlagError, match=r"max_pendng: no such setting.*max_pending"):
+        config.max_pendng = 10
 
 
 # -- 5. edge sizes -------------------------------------------------------------------------------

@@ -601,6 +601,11 @@ def _scan_vectors(path, wanted, dim, progress=False):
                         raise ValueError("%s line %d: word %r has the value %r, which is not "
                                          "a number" % (path, lineno, token,
                                                        bad.decode("utf-8", "replace"))) from None
+                    if not np.isfinite(found[token]).all():
+                        bad = values[int(np.argmin(np.isfinite(found[token])))]
+                        raise ValueError("%s line %d: word %r has the value %r, which is not "
+                                         "a finite number" % (path, lineno, token,
+                                                              bad.decode("utf-8", "replace")))
                 if bar is not None and k % 4096 == 0:
                     pos = f.tell()
                     bar.update(pos - done)

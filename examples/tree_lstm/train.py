@@ -219,8 +219,17 @@ def parse_args(argv=None):
             parser.error("argument %s: must be >= %d, got %d" % (flag, low, value))
     if args.max_pairs is not None and args.max_pairs < 1:
         parser.error("argument --max-pairs: must be >= 1, got %d" % args.max_pairs)
-    if not args.lr > 0:
-        parser.error("argument --lr: must be > 0, got %r" % args.lr)
+    if not 0 < args.lr < float("inf"):
+        parser.error("argument --lr: must be a finite number > 0, got %r" % args.lr)
+    if not 0 <= args.wd < float("inf"):
+        parser.error("argument --wd: must be a finite number >= 0, got %r" % args.wd)
+    if not 0 <= args.seed < 2 ** 32:
+        parser.error("argument --seed: must be in [0, 2**32), got %d" % args.seed)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error("argument --out: %r exists and is not a directory" % args.out)
+    if args.save is not None and os.path.isdir(args.save):
+        parser.error("argument --save: %r is a directory; give a file path, e.g. %s"
+                     % (args.save, os.path.join(args.save, "tree_lstm.params")))
     if args.analysis_budget is not None and not args.analysis_budget >= 0:
         parser.error("argument --analysis-budget: must be >= 0, got %r" % args.analysis_budget)
     try:
@@ -284,7 +293,10 @@ def correlations(pred, gold):
     pred = np.asarray(pred, dtype=np.float64)
     gold = np.asarray(gold, dtype=np.float64)
     mse = float(np.mean((pred - gold) ** 2)) if len(pred) else float("nan")
-    return {"pearson": pearson(pred, gold), "spearman": pearson(_ranks(pred), _ranks(gold)),
+    # ranks would place a NaN (a diverged model) last and give a finite rho
+    finite = bool(np.isfinite(pred).all() and np.isfinite(gold).all())
+    return {"pearson": pearson(pred, gold),
+            "spearman": pearson(_ranks(pred), _ranks(gold)) if finite else float("nan"),
             "mse": mse}
 
 
@@ -545,6 +557,11 @@ def main(argv=None):
     if args.embed_update == "frozen" and args.word_embed_file is None and args.load is None:
         notes.append("the embedding is frozen at random vectors (no --word-embed file): "
                      "pass vectors, or --embed-update dense to train it")
+    elif n_found == 0 and args.load is None:
+        notes.append("%s holds a vector for none of the %d words: the embedding starts from "
+                     "random vectors%s (is it the right file?)"
+                     % (args.word_embed_file, len(vocab),
+                        ", and stays frozen at them" if args.embed_update == "frozen" else ""))
     for note in notes:
         log("note: " + note)
 

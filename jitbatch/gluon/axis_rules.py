@@ -553,7 +553,8 @@ for _name, _attr, _default in (("softmax", "axis", -1), ("log_softmax", "axis", 
                                ("flip", "axis", None)):
     along(_name, _attr, _default)
 batch_first("Convolution Deconvolution Pooling UpSampling InstanceNorm L2Normalization LRN "
-            "SoftmaxActivation GroupNorm")
+            "SoftmaxActivation GroupNorm Pad pad _contrib_BilinearResize2D depth_to_space "
+            "space_to_depth")
 random_sources("""
 _random_uniform _random_normal _random_gamma _random_exponential _random_poisson
 _random_negative_binomial _random_generalized_negative_binomial _random_randint

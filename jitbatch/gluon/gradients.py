@@ -43,6 +43,16 @@ NO_GRADIENT_INPUTS = {
 NO_GRADIENT_WHERE = {"topk": ("ret_typ", ("indices", "mask"))}
 
 
+#: operators whose MXNet 1.9.1 gradient is wrong -> the fix for the user: they
+#: are refused where autograd records them (per sample MXNet's backward fails
+#: on them, or merged gives silently wrong numbers)
+_TO_TENSOR = ("its backward copies the output gradient back as it is, without the transpose "
+              "and the 1/255 (plain Gluon fails in backward(); merged rows gave gradients "
+              "255x too large). Fix: write it as nd.transpose(x, (0, 3, 1, 2)) / 255 (or "
+              "(2, 0, 1) for one image), or call it outside autograd.record()")
+WRONG_GRADIENT = {name: _TO_TENSOR for name in ("_image_to_tensor", "_npx__image_to_tensor")}
+
+
 def passes(op, k, attrs=None):
     """Whether operator ``op`` (attributes ``attrs``, as strings) can pass
     gradient to its input ``k``."""

@@ -15,7 +15,6 @@ import threading
 from collections import deque
 
 from .. import baton, config, execute
-from ..errors import FlagError
 from ..graph import current_graph, recorder, share
 from . import _mxapi
 from .modes import forget_mode
@@ -212,11 +211,6 @@ def map_samples(fn, *iterables):
     plain loop."""
     if not iterables:
         raise TypeError("jitbatch.map(fn, items, ...) needs at least one iterable of items")
-    threads = config.map_threads
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise FlagError("jitbatch.config.map_threads = %r: expected an int >= 1 (the most "
-                        "samples of a jitbatch.map running at once). Fix: set it to 256 "
-                        "(the default) or another positive count." % (threads,))
     items = list(zip(*iterables))     # each item: the arguments of one call
     g = current_graph()
     if len(items) < 2 or g.sharing is not None or _here.task is not None:

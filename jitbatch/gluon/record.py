@@ -76,12 +76,7 @@ def _begin(g, cfg, mode_):
     # the samples of a jitbatch.map park at their reads: a pipelined chunk cut
     # while they record would run apart what their read flush merges
     gr.unpiped = gr.sharing is not None
-    most = _config.max_pending
-    if type(most) is not int or most < 1:
-        raise BatchingError("jitbatch.config.max_pending = %r: expected an int >= 1 (pending "
-                            "nodes at which a graph runs itself). Fix: set it to an int, e.g. "
-                            "200000 (the default)." % (most,))
-    gr.limit = most if gr.unpiped else limit(gr.policy or "auto", mode_, gr.net)
+    gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_, gr.net)
 
 
 def before_write(target):

@@ -33,7 +33,7 @@ from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_outputs,
                         watch_params)
 from .flags import pad_names
-from .lazy import LazyArray
+from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients
 from .rules import rule_for
@@ -169,6 +169,10 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         shapes = tuple((m[0], m[1]) for m in metas)
         name = _mxapi.op_name(handle)
         ctx = check_ctx(metas, "operator %s" % name)
+        wrong = gradients.WRONG_GRADIENT.get(name)
+        if wrong is not None and mode[0]:
+            raise NotDifferentiableError("operator %s, recorded by autograd: MXNet 1.9.1's "
+                                         "gradient of it is wrong: %s." % (name, wrong))
         out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
         try:
             ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, "_ones")
