@@ -161,9 +161,9 @@ OPS = {
         F.sum(y, axis=1, keepdims=True), F.ones((1, 3)), lhs_axes=(1,), rhs_axes=(1,)),
         "merge"),
     "depth-to-space": (lambda F, y: F.reshape(F.depth_to_space(F.reshape(y, (0, 4, 1, 1)), 2),
-                                              (0, -1)), "mix"),
+                                              (0, -1)), "merge"),
     "space-to-depth": (lambda F, y: F.reshape(F.space_to_depth(F.reshape(y, (0, 1, 2, 2)), 2),
-                                              (0, -1)), "mix"),
+                                              (0, -1)), "merge"),
     # products
     "batch-dot-tb": (lambda F, y: F.batch_dot(F.expand_dims(y, 1), F.expand_dims(y, 1),
                                               transpose_b=True), "merge"),
@@ -210,7 +210,7 @@ OPS = {
     "upsampling": (lambda F, y: F.UpSampling(F.reshape(y, (0, 1, 2, 2)), scale=2,
                                              sample_type="nearest"), "merge"),
     "bilinear-resize": (lambda F, y: F.contrib.BilinearResize2D(F.reshape(y, (0, 1, 2, 2)),
-                                                                height=3, width=3), "mix"),
+                                                                height=3, width=3), "merge"),
     "lrn": (lambda F, y: F.LRN(F.reshape(y, (0, 4, 1, 1)), nsize=3), "merge"),
     # elementwise and _like sources
     "ones-like": (lambda F, y: y * 2 + F.ones_like(y) - F.zeros_like(y), "merge"),
