@@ -64,6 +64,14 @@ def _true(value):
     return str(value).lower() in ("1", "true")
 
 
+def _renumbered(graph, nodes, where):
+    """``graph`` given the node list ``nodes`` (``where``: old node id -> new)."""
+    graph["nodes"] = nodes
+    graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
+    graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
+    graph.pop("node_row_ptr", None)   # derived: MXNet recomputes it
+
+
 def fast_splits(graph):
     """A ``Reshape`` inserted in front of every split along an axis >= 1 of the
     parsed ``graph``, in place, the split made to squeeze (see the module
@@ -89,10 +97,7 @@ def fast_splits(graph):
         where[i] = len(out)
         out.append(node)
     if count:
-        graph["nodes"] = out
-        graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
-        graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
-        graph.pop("node_row_ptr", None)   # derived: MXNet recomputes it
+        _renumbered(graph, out, where)
     return count
 
 
@@ -126,10 +131,7 @@ def exact_prelu(graph):
         where[i] = len(out)
         out.append(node)
     if count:
-        graph["nodes"] = out
-        graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
-        graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
-        graph.pop("node_row_ptr", None)
+        _renumbered(graph, out, where)
     return count
 
 
