@@ -30,6 +30,7 @@ cdef class Graph:
     cdef public bint executing, chunk_merged, unpiped
     cdef public list retired, kept, kept_before
     cdef public dict reads
+    cdef public object spans
     cdef public object autograd, sharing, net
     cdef public Py_ssize_t autograd_gen
     cpdef Node add(self, info, tuple inputs, site, mode, rows=*)

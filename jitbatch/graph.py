@@ -153,6 +153,7 @@ class Graph(object):
         self.autograd_gen = -1  # valid while the backend's setter count is this
         self.reads = {}        # id -> what pending nodes read: concrete arrays (a write to
                                # one runs the graph first, see record.before_write), blocks
+        self.spans = None      # the memory of what reads holds, made at a write (record)
         self.retired = []      # node lists of finished flushes (see retire)
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it
@@ -247,6 +248,7 @@ class Graph(object):
         """Remove and return the pending nodes (the flush owns them from here)."""
         nodes, self.nodes = self.nodes, []
         self.reads = {}
+        self.spans = None
         self.limit = config.max_pending   # the next graph's first record sets its own
         return nodes
 

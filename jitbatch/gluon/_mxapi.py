@@ -87,6 +87,18 @@ def op_handle(name):
     return _HANDLES[name]
 
 
+def memory_span(arr):
+    """``(first byte, past the last)`` of a dense NDArray's memory (a view's:
+    within the array it views), or None (sparse, or none allocated)."""
+    if arr.stype != "default":
+        return None
+    ptr = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(arr.handle, ctypes.byref(ptr)))
+    if not ptr.value:
+        return None
+    return ptr.value, ptr.value + arr.size * np.dtype(arr.dtype).itemsize
+
+
 def zeros(shape, ctx, dtype, fill="_zeros"):
     """A concrete zero array (``fill="_ones"``: ones), made through MXNet's own
     operator entry point: the patched one records ``nd.zeros`` while a graph

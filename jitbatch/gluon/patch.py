@@ -141,6 +141,13 @@ def _stack(*data, **kwargs):
     return _mxapi.nd_stack(*data, **kwargs)
 
 
+def _run_pending(reason):
+    """Run this thread's pending graph, if any (and not running already)."""
+    g: Graph = current_graph()
+    if g.nodes and not g.executing:
+        execute.run_graph(g, reason=reason)
+
+
 def _make_initialize(orig):
     """``Parameter.initialize``: with ``force_reinit`` MXNet drops the arrays
     before the initializer writes new ones, so this thread's pending calls,
@@ -150,9 +157,7 @@ def _make_initialize(orig):
         force = kwargs.get("force_reinit", args[3] if len(args) > 3 else False)
         if force and self._data is not None:  # pylint: disable=protected-access
             before_write(self._data[0])       # pylint: disable=protected-access
-            g: Graph = current_graph()
-            if g.nodes and not g.executing:
-                execute.run_graph(g, reason="write")
+            _run_pending("write")
         return orig(self, *args, **kwargs)
     return initialize
 
@@ -163,9 +168,7 @@ def _make_export(orig):
     this thread's pending calls run first."""
     @wraps(orig)
     def export(self, *args, **kwargs):
-        g: Graph = current_graph()
-        if g.nodes and not g.executing:
-            execute.run_graph(g, reason="export")
+        _run_pending("export")
         return orig(self, *args, **kwargs)
     return export
 
@@ -389,15 +392,23 @@ def _clear(self):
 def _get_graph(self, *args):
     """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
     of :mod:`.rewrite` (once, when the graph is traced; every later use of the
-    block's graph, merged or per sample, runs the rewritten one)."""
-    fresh = not self._cached_graph  # pylint: disable=protected-access
-    res = _mxapi.get_graph(self, *args)
-    if fresh and self._jb_cfg is not None:
-        counts = rewrite.rewrite_traced(self)
-        if any(counts.values()):
-            STATS.add(**counts)
-            res = self._cached_graph  # pylint: disable=protected-access
+    block's graph, merged or per sample, runs the rewritten one); one thread
+    at a time."""
+    with _TRACING:
+        fresh = not self._cached_graph  # pylint: disable=protected-access
+        res = _mxapi.get_graph(self, *args)
+        if fresh and self._jb_cfg is not None:
+            counts = rewrite.rewrite_traced(self)
+            if any(counts.values()):
+                STATS.add(**counts)
+                res = self._cached_graph  # pylint: disable=protected-access
     return res
+
+
+# MXNet's tracing of a block uses the block's own name scope: two threads
+# tracing one block at once (DataLoader workers, or threads whose first
+# calls meet) fail in it, and jitbatch traces more often than MXNet
+_TRACING = threading.RLock()
 
 
 # -- install / uninstall --------------------------------------------------------------

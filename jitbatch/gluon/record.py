@@ -91,7 +91,7 @@ def before_write(target):
         _refuse_if_read_elsewhere(target, g)
     if not g.nodes or g.executing:
         return
-    if param or type(target) is LazyArray or id(target) in g.reads:
+    if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
         read = _read_while_recording(target)
         execute.run_graph(g, reason="write")
         if read and _mxapi.autograd_state()[0]:
@@ -102,6 +102,41 @@ def before_write(target):
                 "autograd information); merged, the call read rows gathered from it, and "
                 "jitbatch refuses the write alike. Fix: write a new array (c = c + x) "
                 "instead of changing this one in place.")
+
+
+def _overlaps_a_read(g, target):
+    """Whether ``target``'s memory overlaps an array pending calls read: a view
+    of it (``states[i:i+1]`` handed to a call, then ``states[1:2] = 0``), or an
+    array it views (``w[0][:] = v``), parameters of pending blocks included.
+    The reads' spans are made at the first write of a graph, then extended."""
+    if type(target) is LazyArray:
+        return False
+    mine = _mxapi.memory_span(target)
+    if mine is None or mine[0] == mine[1]:
+        return False
+    gr: Graph = g
+    spans = gr.spans
+    if spans is None:
+        spans = gr.spans = [0, []]
+    reads = gr.reads
+    if spans[0] < len(reads):
+        found = spans[1]
+        for v in list(reads.values())[spans[0]:]:
+            if isinstance(v, Block):
+                arrays = [a for p in v.collect_params().values() for a in (p._data or ())]  # pylint: disable=protected-access
+            else:
+                arrays = (v,)
+            for a in arrays:
+                if type(a) is not LazyArray and isinstance(a, NDArray):
+                    span = _mxapi.memory_span(a)
+                    if span is not None:
+                        found.append(span)
+        spans[0] = len(reads)
+    lo, hi = mine
+    for start, end in spans[1]:
+        if start < hi and lo < end:
+            return True
+    return False
 
 
 def _refuse_if_read_elsewhere(target, mine):
