@@ -93,7 +93,15 @@ def before_write(target):
         return
     if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
         read = _read_while_recording(target)
-        execute.run_graph(g, reason="write")
+        gr: Graph = g
+        if gr.sharing is not None:
+            # a sample of jitbatch.map parks here as at a read: the flush that
+            # serves the parked samples runs every call pending now
+            gr.sharing.wait(gr.nodes[-1])
+            if gr.nodes and (param or id(target) in gr.reads or _overlaps_a_read(gr, target)):
+                execute.run_graph(g, reason="write")
+        else:
+            execute.run_graph(g, reason="write")
         if read and _mxapi.autograd_state()[0]:
             raise BatchingError(
                 "Inplace operations (+=, -=, x[:]=, etc) are not supported when recording "
