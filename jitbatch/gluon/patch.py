@@ -18,6 +18,7 @@ from mxnet.context import current_context
 from mxnet.gluon.block import Block, HybridBlock, SymbolBlock
 from mxnet.gluon.parameter import Parameter
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
+from mxnet.gluon.rnn.rnn_layer import _RNNLayer
 from mxnet.ndarray import NDArray, register
 from mxnet import ndarray as _ndmod
 from mxnet.symbol import Symbol
@@ -180,13 +181,13 @@ def _make_grad(orig):
     @wraps(orig)
     def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=False,
              train_mode=True):
-        names = ()
-        seq = heads if isinstance(heads, (list, tuple)) else [heads]
         if not retain_graph and not create_graph and in_sample():
             # a sample of jitbatch.map: its launches are shared with the other
             # samples, whose gradients come next
             retain_graph = True
+        names = ()
         if create_graph:      # the heads' blocks, while their nodes are pending
+            seq = heads if isinstance(heads, (list, tuple)) else [heads]
             names = sorted({node_of(h).info.name for h in seq
                             if type(h) is LazyArray and type(node_of(h)) is Node})
         try:
@@ -327,12 +328,12 @@ def _call(self, *args):
                 len(args) == 2 and _recurrent_is_hybrid(type(self))
             if (fwd is _forward or rnn or fwd is _SYMBOL_FORWARD) and self._active and \
                     not np_array_mode():
-                target = self
-                if fwd is _forward and len(args) == 2 and type(args[0]) is not Symbol:
-                    target = stateless(self, args) or self
-                if target is not self:   # a fused layer in NTC: its states made inside
-                    res = record_block(target, g, args[0], (), _getframe(0))
-                    return _mxapi.block_call(self, *args) if res is None else res
+                if fwd is _forward and len(args) == 2 and isinstance(self, _RNNLayer) and \
+                        type(args[0]) is not Symbol:
+                    wrapper = stateless(self, args)
+                    if wrapper is not None:   # a fused layer in NTC: its states made inside
+                        res = record_block(wrapper, g, args[0], (), _getframe(0))
+                        return _mxapi.block_call(self, *args) if res is None else res
                 res = record_block(self, g, args[0], args[1:], _getframe(0))  # pylint: disable=protected-access
                 if res is not None:
                     if rnn:
@@ -389,6 +390,12 @@ def _clear(self):
     renew_token(self)  # new structure: old signatures no longer apply
 
 
+# MXNet's tracing of a block uses the block's own name scope: two threads
+# tracing one block at once (DataLoader workers, or threads whose first
+# calls meet) fail in it, and jitbatch traces more often than MXNet
+_TRACING = threading.RLock()
+
+
 def _get_graph(self, *args):
     """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
     of :mod:`.rewrite` (once, when the graph is traced; every later use of the
@@ -404,11 +411,6 @@ def _get_graph(self, *args):
                 res = self._cached_graph  # pylint: disable=protected-access
     return res
 
-
-# MXNet's tracing of a block uses the block's own name scope: two threads
-# tracing one block at once (DataLoader workers, or threads whose first
-# calls meet) fail in it, and jitbatch traces more often than MXNet
-_TRACING = threading.RLock()
 
 
 # -- install / uninstall --------------------------------------------------------------

@@ -130,11 +130,7 @@ def _overlaps_a_read(g, target):
     if spans[0] < len(reads):
         found = spans[1]
         for v in list(reads.values())[spans[0]:]:
-            if isinstance(v, Block):
-                arrays = [a for p in v.collect_params().values() for a in (p._data or ())]  # pylint: disable=protected-access
-            else:
-                arrays = (v,)
-            for a in arrays:
+            for a in (_param_arrays(v) if isinstance(v, Block) else (v,)):
                 if type(a) is not LazyArray and isinstance(a, NDArray):
                     span = _mxapi.memory_span(a)
                     if span is not None:
@@ -147,6 +143,12 @@ def _overlaps_a_read(g, target):
     return False
 
 
+def _param_arrays(block):
+    """The arrays of ``block``'s parameters (every device's; none where one is
+    not initialized yet)."""
+    return [a for p in block.collect_params().values() for a in (p._data or ())]  # pylint: disable=protected-access
+
+
 def _refuse_if_read_elsewhere(target, mine):
     """A write to parameter array ``target``: refused while calls of another
     thread that read it are pending (this thread cannot run that thread's
@@ -156,9 +158,7 @@ def _refuse_if_read_elsewhere(target, mine):
         if og is mine or not og.nodes or og.executing:
             continue
         for block in og.reads.values():
-            if isinstance(block, Block) and any(
-                    a is target for p in block.collect_params().values()
-                    for a in (p._data or ())):  # pylint: disable=protected-access
+            if isinstance(block, Block) and any(a is target for a in _param_arrays(block)):
                 raise BatchingError(
                     "a parameter of block %s is written in thread %d while calls that read "
                     "it are pending in thread %d: they would compute with the new value, as "

@@ -64,12 +64,44 @@ def _true(value):
     return str(value).lower() in ("1", "true")
 
 
-def _renumbered(graph, nodes, where):
-    """``graph`` given the node list ``nodes`` (``where``: old node id -> new)."""
-    graph["nodes"] = nodes
-    graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
-    graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
-    graph.pop("node_row_ptr", None)   # derived: MXNet recomputes it
+def _insert_before(graph, change):
+    """Walk the parsed ``graph``'s nodes in order, calling ``change(node, add)``
+    on each (its inputs already renumbered): it may put new nodes in front of
+    it with ``add(op, name, inputs, attrs)``, which returns the new node's
+    entry for an ``inputs`` list, change the node in place and return True.
+    Every reference is renumbered; returns how many nodes it changed."""
+    out, where = [], {}     # the new node list; old node id -> new node id
+
+    def add(op, name, inputs, attrs=None):
+        out.append({"op": op, "name": name, "attrs": attrs or {}, "inputs": inputs})
+        return [len(out) - 1, 0, 0]
+    count = 0
+    for i, node in enumerate(graph["nodes"]):
+        node["inputs"] = [[where[e[0]]] + list(e[1:]) for e in node["inputs"]]
+        if change(node, add):
+            count += 1
+        where[i] = len(out)
+        out.append(node)
+    if count:
+        graph["nodes"] = out
+        graph["arg_nodes"] = [where[i] for i in graph["arg_nodes"]]
+        graph["heads"] = [[where[h[0]]] + list(h[1:]) for h in graph["heads"]]
+        graph.pop("node_row_ptr", None)   # derived: MXNet recomputes it
+    return count
+
+
+def _split_in_groups(node, add):
+    attrs = node.get("attrs") or {}
+    if node["op"] not in SPLITS or len(node["inputs"]) != 1 or \
+            _true(attrs.get("squeeze_axis", "0")) or \
+            int(attrs.get("axis", 1)) < 1 or int(attrs["num_outputs"]) <= 1:
+        return False
+    axis, parts = int(attrs.get("axis", 1)), int(attrs["num_outputs"])
+    # -4 cuts the axis in (parts, rest); 0 and -2 keep the other axes
+    node["inputs"] = [add("Reshape", node["name"] + "_jbgroups", [node["inputs"][0]],
+                          {"shape": str((0,) * axis + (-4, parts, -1, -2))})]
+    node["attrs"] = dict(attrs, squeeze_axis="True")
+    return True
 
 
 def fast_splits(graph):
@@ -77,62 +109,32 @@ def fast_splits(graph):
     parsed ``graph``, in place, the split made to squeeze (see the module
     docstring); returns how many. Node ids change: every reference is
     renumbered."""
-    nodes = graph["nodes"]
-    out, where = [], {}     # the new node list; old node id -> new node id
-    count = 0
-    for i, node in enumerate(nodes):
-        node["inputs"] = [[where[e[0]]] + list(e[1:]) for e in node["inputs"]]
-        attrs = node.get("attrs") or {}
-        if node["op"] in SPLITS and len(node["inputs"]) == 1 and \
-                not _true(attrs.get("squeeze_axis", "0")) and \
-                int(attrs.get("axis", 1)) >= 1 and int(attrs["num_outputs"]) > 1:
-            axis, parts = int(attrs.get("axis", 1)), int(attrs["num_outputs"])
-            # -4 cuts the axis in (parts, rest); 0 and -2 keep the other axes
-            out.append({"op": "Reshape", "name": node["name"] + "_jbgroups",
-                        "attrs": {"shape": str((0,) * axis + (-4, parts, -1, -2))},
-                        "inputs": [node["inputs"][0]]})
-            node["inputs"] = [[len(out) - 1, 0, 0]]
-            node["attrs"] = dict(attrs, squeeze_axis="True")
-            count += 1
-        where[i] = len(out)
-        out.append(node)
-    if count:
-        _renumbered(graph, out, where)
-    return count
+    return _insert_before(graph, _split_in_groups)
+
+
+def _prelu_as_where(node, add):
+    attrs = node.get("attrs") or {}
+    if node["op"] != "LeakyReLU" or attrs.get("act_type") != "prelu" or \
+            len(node["inputs"]) != 2:
+        return False
+    x, gamma = node["inputs"]
+    name = node["name"]
+    x3 = add("Reshape", name + "_jbx", [x], {"shape": "(0, 0, -1)"})
+    g3 = add("Reshape", name + "_jbgamma", [gamma], {"shape": "(1, -1, 1)"})
+    pos = add("_greater_scalar", name + "_jbpos", [x3], {"scalar": "0"})
+    neg = add("broadcast_mul", name + "_jbneg", [x3, g3])
+    y3 = add("where", name + "_jbwhere", [pos, x3, neg])
+    node["op"] = "reshape_like"
+    node["attrs"] = {k: v for k, v in attrs.items() if k.startswith("__")}
+    node["inputs"] = [y3, x]
+    return True
 
 
 def exact_prelu(graph):
     """Every ``LeakyReLU(act_type='prelu')`` of the parsed ``graph`` made the
     elementwise operators of the module docstring, in place; returns how many.
     Node ids change: every reference is renumbered."""
-    nodes = graph["nodes"]
-    out, where = [], {}
-    count = 0
-
-    def add(op, name, inputs, attrs=None):
-        out.append({"op": op, "name": name, "attrs": attrs or {}, "inputs": inputs})
-        return [len(out) - 1, 0, 0]
-    for i, node in enumerate(nodes):
-        node["inputs"] = [[where[e[0]]] + list(e[1:]) for e in node["inputs"]]
-        attrs = node.get("attrs") or {}
-        if node["op"] == "LeakyReLU" and attrs.get("act_type") == "prelu" and \
-                len(node["inputs"]) == 2:
-            x, gamma = node["inputs"]
-            name = node["name"]
-            x3 = add("Reshape", name + "_jbx", [x], {"shape": "(0, 0, -1)"})
-            g3 = add("Reshape", name + "_jbgamma", [gamma], {"shape": "(1, -1, 1)"})
-            pos = add("_greater_scalar", name + "_jbpos", [x3], {"scalar": "0"})
-            neg = add("broadcast_mul", name + "_jbneg", [x3, g3])
-            y3 = add("where", name + "_jbwhere", [pos, x3, neg])
-            node["op"] = "reshape_like"
-            node["attrs"] = {k: v for k, v in attrs.items() if k.startswith("__")}
-            node["inputs"] = [y3, x]
-            count += 1
-        where[i] = len(out)
-        out.append(node)
-    if count:
-        _renumbered(graph, out, where)
-    return count
+    return _insert_before(graph, _prelu_as_where)
 
 
 def rewrite(out):

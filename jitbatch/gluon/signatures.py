@@ -292,17 +292,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                "read float ids)" if ids else ""))
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
-        # an input the graph does not use is not among its arguments (MXNet
-        # warns of it and runs the block): inference must not name it
-        used = set(out.list_arguments())
-        _, o1, _ = out.infer_shape_partial(
-            **{nm: s for nm, s in zip(names, shapes) if nm in used})
-        _, ot, _ = out.infer_type(**_param_dtypes(
-            block, out, {nm: d for nm, d in zip(names, dtypes) if nm in used}))
+        _, o1, _ = out.infer_shape_partial(**_used_inputs(out, names, shapes))
+        _, ot, _ = out.infer_type(**_param_dtypes(block, out,
+                                                  _used_inputs(out, names, dtypes)))
         try:
-            _, o2, _ = out.infer_shape_partial(
-                **{nm: (2 * s[0],) + tuple(s[1:]) for nm, s in zip(names, shapes)
-                   if nm in used})
+            _, o2, _ = out.infer_shape_partial(**_used_inputs(
+                out, names, [(2 * s[0],) + tuple(s[1:]) for s in shapes]))
         except Exception as e:  # pylint: disable=broad-except
             if '"op": "RNN"' in out.tojson():
                 raise
@@ -408,6 +403,14 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
 
 
 _WARNED = set()   # (block name, operator node) already warned about
+
+
+def _used_inputs(out, names, values):
+    """``{input name: value}`` for the inputs the traced symbol ``out`` uses: an
+    input its graph does not use is not among its arguments (MXNet warns of it
+    and runs the block), and MXNet's inference refuses a name it does not know."""
+    used = set(out.list_arguments())
+    return {nm: v for nm, v in zip(names, values) if nm in used}
 
 
 def _param_dtypes(block, out, known):
@@ -518,7 +521,7 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
     grown = [tuple(s[:pad[i]]) + (s[pad[i]] + 1,) + tuple(s[pad[i] + 1:]) if i in pad else s
              for i, s in enumerate(shapes)]
     try:
-        _, o3, _ = out.infer_shape_partial(**dict(zip(names, grown)))
+        _, o3, _ = out.infer_shape_partial(**_used_inputs(out, names, grown))
     except Exception as e:
         raise BatchingError(
             "block %s: zero_pad(%s) declared, but the block cannot take inputs of shapes %s "
@@ -544,13 +547,12 @@ def _rowwise_any_length(out, names, shapes, o1):
     length = shapes[0][0]
     if any(a[0] != length for a in o1):
         return False
-    used = set(out.list_arguments())
     for other in (2 * length + 1, 1):
         if other == length:
             continue
         try:
-            _, o3, _ = out.infer_shape_partial(
-                **{nm: (other,) + tuple(s[1:]) for nm, s in zip(names, shapes) if nm in used})
+            _, o3, _ = out.infer_shape_partial(**_used_inputs(
+                out, names, [(other,) + tuple(s[1:]) for s in shapes]))
         except Exception:  # pylint: disable=broad-except
             return False
         if not all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:])
