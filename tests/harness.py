@@ -25,7 +25,14 @@ def prepare(net, flag, policy="auto", granularity="auto", hybridize_plain=False)
 def run(net, apply, samples, train, flag, policy="auto", hybridize_plain=False,
         granularity="auto", mapped=False):
     """``mapped``: the samples through ``jitbatch.map`` instead of a loop."""
-    params = prepare(net, flag, policy, granularity, hybridize_plain)
+    prepare(net, flag, policy, granularity, hybridize_plain)
+    return run_configured(net, apply, samples, train, mapped)
+
+
+def run_configured(net, apply, samples, train, mapped=False):
+    """``run`` on a network its caller configured (flagged some blocks, zeroed
+    the gradients); ends with ``net.hybridize(active=False)``."""
+    params = net.collect_params()
 
     def each():
         if mapped:

@@ -37,6 +37,43 @@ def initialized(net, seed=0):
     return net
 
 
+def seeded(cls, *args, **kw):
+    """A maker of ``cls(*args, **kw)`` with the same initial values every call."""
+    def make():
+        mx.random.seed(0)
+        net = cls(*args, **kw)
+        net.initialize(mx.init.Uniform(0.5))
+        return net
+    return make
+
+
+def plain_and_flagged(make, program, flags, **kw):
+    """``program(net, flags, **kw) -> list of numpy arrays`` run on a fresh
+    network plain (``flags`` None), then on another fresh network (the same
+    initial values) with ``flags`` (what they mean is the program's: a policy,
+    hybridize's keywords); returns both results and the flagged run's stats."""
+    want = program(make(), None, **kw)
+    net = make()
+    jitbatch.reset_stats()
+    try:
+        got = program(net, flags, **kw)
+    finally:
+        cleanup()
+        net.hybridize(active=False)
+    return want, got, jitbatch.stats()
+
+
+def values_of(net):
+    """Copies of ``net``'s parameter values, in its parameters' order."""
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+def grads_of(net):
+    """Copies of ``net``'s gradients (parameters with one), in order."""
+    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
+            if p.grad_req != "null"]
+
+
 def square_loss(net, x):
     """``(net(x), the sum of its squares)``: a sample's output and a loss that
     reaches every entry (check_model's ``apply``)."""

@@ -33,8 +33,8 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn, rnn
 
 import jitbatch
-from oracle import cleanup
-from heldout import merged, nothing_pending, rng_for, same_arrays  # noqa: F401
+from heldout import (grads_of, merged, nothing_pending, plain_and_flagged,  # noqa: F401
+                     rng_for, same_arrays, seeded, values_of)
 
 POLICIES = ["auto", "depth", "agenda"]
 
@@ -50,37 +50,12 @@ def flag(net, policy):
         net.hybridize(dynamic_batch=True, policy=policy)
 
 
-def seeded(cls, *args):
-    def make():
-        mx.random.seed(0)
-        net = cls(*args)
-        net.initialize(mx.init.Uniform(0.5))
-        return net
-    return make
 
 
-def plain_and_flagged(make, program, policy, **kw):
-    """``program(net, policy, **kw) -> list of numpy arrays`` on a fresh net
-    plain, then on another fresh net (same initial values) flagged; both
-    results and the flagged run's stats."""
-    want = program(make(), None, **kw)
-    net = make()
-    jitbatch.reset_stats()
-    try:
-        got = program(net, policy, **kw)
-    finally:
-        cleanup()
-        net.hybridize(active=False)
-    return want, got, jitbatch.stats()
 
 
-def values_of(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
-def grads_of(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
 
 
 # ---------------------------------------------------------------------------

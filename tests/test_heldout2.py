@@ -21,8 +21,9 @@ from mxnet.gluon.contrib.nn import Identity
 
 import jitbatch
 from harness import assert_same, check_model, run
-from heldout import (contract_warnings, initialized, merged, nothing_pending,  # noqa: F401
-                     rng_for, run_in_subprocess, same_arrays, square_loss)
+from heldout import (contract_warnings, grads_of, initialized, merged,  # noqa: F401
+                     nothing_pending, rng_for, run_in_subprocess, same_arrays, square_loss,
+                     values_of)
 from oracle import cleanup
 
 POLICIES = ["auto", "depth", "agenda"]
@@ -387,13 +388,8 @@ class Encoder(HybridBlock):
         return self.b(self.drop(self.a(x)))
 
 
-def grads_of(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
 
 
-def values_of(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
 def plain_and_batched(program, policy, make=lambda: initialized(Encoder()), **kw):

@@ -34,8 +34,9 @@ from harness import assert_same, run
 from models import (T, binary_apply, binary_model, binary_samples, childsum_apply,
                     childsum_model, childsum_padded_model, seq_apply, seq_model, seq_samples)
 from oracle import cleanup
-from heldout import (contract_warnings, merged, nothing_pending, rng_for,  # noqa: F401
-                     run_in_subprocess, same_arrays, square_loss)
+from heldout import (contract_warnings, grads_of, merged, nothing_pending,  # noqa: F401
+                     plain_and_flagged, rng_for, run_in_subprocess, same_arrays, square_loss,
+                     values_of)
 
 POLICIES = ["auto", "depth", "agenda"]
 GRANULARITIES = ["auto", "block", "split"]
@@ -52,28 +53,10 @@ def flag(net, flags):
         net.hybridize(dynamic_batch=True, **flags)
 
 
-def plain_and_flagged(make, program, flags, **kw):
-    """``program(net, flags, **kw) -> list of numpy arrays`` run on a fresh
-    network plain (flags None), then on another fresh network (the same initial
-    values) with ``flags``; returns both results and the flagged run's stats."""
-    want = program(make(), None, **kw)
-    net = make()
-    jitbatch.reset_stats()
-    try:
-        got = program(net, flags, **kw)
-    finally:
-        cleanup()
-        net.hybridize(active=False)
-    return want, got, jitbatch.stats()
 
 
-def params_of(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
-def grads_of(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
 
 
 def each(mapped):
@@ -127,7 +110,7 @@ def train_and_evaluate(net, flags, apply, batches, held_out, optimizer, mapped=F
         loss.backward()
         trainer.step(len(batch), ignore_stale_grad=True)
         evals += [apply(net, s)[0] for s in held_out]
-    return [y.asnumpy() for y in evals] + params_of(net)
+    return [y.asnumpy() for y in evals] + values_of(net)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -241,7 +224,7 @@ def fine_tune_in_predict_mode(net, flags, batches, held_out, mapped):
         loss.backward()
         trainer.step(len(batch))
         out += [y.asnumpy() for y in ys] + [net(x).asnumpy() for x in held_out]
-    return out + params_of(net)
+    return out + values_of(net)
 
 
 @MAPPED
@@ -279,7 +262,7 @@ def monitor_between_forward_and_backward(net, flags, batches, held_out):
         total.backward()
         trainer.step(len(batch))
         out += [m.asnumpy() for m in monitor]
-    return out + params_of(net)
+    return out + values_of(net)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -314,7 +297,7 @@ def stale_gradient_steps(net, flags, batches):
         except UserWarning as w:
             said.append(str(w).replace(net.prefix, "<net>"))
             trainer.step(len(batch), ignore_stale_grad=True)
-    return said, params_of(net)
+    return said, values_of(net)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -395,7 +378,7 @@ def target_network_steps(net, flags, batches):
         loss.backward()
         trainer.step(len(batch))
         losses.append(loss.asnumpy())
-    return losses + params_of(net)
+    return losses + values_of(net)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -436,7 +419,7 @@ def toggles_saves_and_loads(net, flags, batches, path):
         loss.backward()
         trainer.step(len(batch))
         out += [r[0].asnumpy() for r in res]
-    return out + params_of(net)
+    return out + values_of(net)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -479,7 +462,7 @@ def copy_trained_next_to_the_original(net, flags, batches):
         for p, q in zip(teacher.collect_params().values(), net.collect_params().values()):
             p.set_data(p.data() * 0.9 + q.data() * 0.1)
         out += [y.asnumpy() for y in ys + targets]
-    return out + params_of(net) + params_of(teacher)
+    return out + values_of(net) + values_of(teacher)
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
@@ -501,7 +484,7 @@ class TwoNets(object):
         self.tree = tree_make()
 
     def params(self):
-        return params_of(self.seq) + params_of(self.tree)
+        return values_of(self.seq) + values_of(self.tree)
 
     def hybridize(self, **kw):
         self.seq.hybridize(**kw)
@@ -620,7 +603,7 @@ def float64_training(net, flags, batches):
             loss = nd.add_n(*[nd.sum(nd.square(net(x))) for x in batch])
         loss.backward()
         trainer.step(len(batch))
-    return params_of(net)
+    return values_of(net)
 
 
 def test_a_network_cast_to_float64_then_trained():
@@ -1520,7 +1503,7 @@ def long_training(net, flags, pool, counts):
         if step % 50 == 49:
             gc.collect()
             counts.append(len(gc.get_objects()))
-    return params_of(net)
+    return values_of(net)
 
 
 def test_300_minibatches_do_not_grow_the_heap_and_end_where_plain_gluon_does():

@@ -28,7 +28,7 @@ from mxnet.gluon import HybridBlock, nn, rnn
 from mxnet.gluon.contrib.nn import Concurrent, HybridConcurrent
 
 import jitbatch
-from harness import assert_same, run
+from harness import assert_same, run, run_configured
 from oracle import cleanup
 from heldout import (contract_warnings, initialized, merged, nothing_pending,  # noqa: F401
                      rng_for, square_loss)
@@ -165,23 +165,10 @@ def test_only_the_cell_is_flagged(kind, train, policy):
     rng = rng_for("cell-only", kind, train, policy)
     samples = [nd.array(rng.normal(size=(int(rng.integers(1, 5)), 4))) for _ in range(5)]
     ref = run(net, square_loss, samples, train, flag=False)
-    params = net.collect_params()
-    for p in params.values():
-        p.zero_grad()
+    net.collect_params().zero_grad()
     net.cell.hybridize(dynamic_batch=True, policy=policy)
     jitbatch.reset_stats()
-    try:
-        if train:
-            with autograd.record():
-                res = [square_loss(net, x) for x in samples]
-                total = nd.add_n(*[r[1] for r in res])
-            total.backward()
-        else:
-            res = [square_loss(net, x) for x in samples]
-        got = ([r[0].asnumpy() for r in res] + [r[1].asnumpy() for r in res],
-               {k: p.grad().asnumpy().copy() for k, p in params.items() if train})
-    finally:
-        net.cell.hybridize(active=False)
+    got = run_configured(net, square_loss, samples, train)
     assert_same(ref, got)
     if policy != "auto":    # 'auto' may find a graph this small cheaper unmerged
         assert merged(jitbatch.stats()), jitbatch.stats()
@@ -293,23 +280,10 @@ def test_flags_set_on_child_and_parent_in_either_order(order, train, policy):
     rng = rng_for("flag-order", order, train, policy)
     samples = [nd.array(rng.normal(size=(1, 3))) for _ in range(5)]
     ref = run(net, square_loss, samples, train, flag=False)
-    params = net.collect_params()
-    for p in params.values():
-        p.zero_grad()
+    net.collect_params().zero_grad()
     FLAG_ORDERS[order](net, policy)
     jitbatch.reset_stats()
-    try:
-        if train:
-            with autograd.record():
-                res = [square_loss(net, x) for x in samples]
-                total = nd.add_n(*[r[1] for r in res])
-            total.backward()
-        else:
-            res = [square_loss(net, x) for x in samples]
-        got = ([r[0].asnumpy() for r in res] + [r[1].asnumpy() for r in res],
-               {k: p.grad().asnumpy().copy() for k, p in params.items() if train})
-    finally:
-        net.hybridize(active=False)
+    got = run_configured(net, square_loss, samples, train)
     assert_same(ref, got)
     assert merged(jitbatch.stats()), jitbatch.stats()
 

@@ -30,8 +30,9 @@ from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
 from oracle import cleanup
-from heldout import (contract_warnings, merged, nothing_pending, rng_for,  # noqa: F401
-                     run_in_subprocess, same_arrays)
+from heldout import (contract_warnings, grads_of, merged, nothing_pending,  # noqa: F401
+                     plain_and_flagged, rng_for, run_in_subprocess, same_arrays, seeded,
+                     values_of)
 
 POLICIES = ["auto", "depth", "agenda"]
 TRAIN = pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
@@ -45,38 +46,12 @@ def flag(net, policy):
         net.hybridize(dynamic_batch=True, policy=policy)
 
 
-def seeded(cls, *args, **kw):
-    """A maker of ``cls(*args, **kw)`` with the same initial values every call."""
-    def make():
-        mx.random.seed(0)
-        net = cls(*args, **kw)
-        net.initialize(mx.init.Uniform(0.5))
-        return net
-    return make
 
 
-def plain_and_flagged(make, program, policy, **kw):
-    """``program(net, policy, **kw) -> list of numpy arrays`` on a fresh net
-    plain (policy None), then on another fresh net (same initial values)
-    flagged; both results and the flagged run's stats."""
-    want = program(make(), None, **kw)
-    net = make()
-    jitbatch.reset_stats()
-    try:
-        got = program(net, policy, **kw)
-    finally:
-        cleanup()
-        net.hybridize(active=False)
-    return want, got, jitbatch.stats()
 
 
-def grads_of(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
 
 
-def values_of(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
 def rows(key, n=5, width=3, ragged=False):
