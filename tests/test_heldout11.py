@@ -483,7 +483,8 @@ WRITES = {
     "parameter row view",
     "parameter reshaped view",
 ])
-def test_writes_to_a_state_buffer_whose_rows_pending_calls_read(write):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_writes_to_a_state_buffer_whose_rows_pending_calls_read(write, policy):
     """An in-place write to an array whose VIEW a pending call reads (a row of
     a state buffer, a reused input buffer), or through a view of an array a
     pending call reads (w[0][:] =), runs the pending calls first
@@ -492,7 +493,7 @@ def test_writes_to_a_state_buffer_whose_rows_pending_calls_read(write):
     make = seeded(CellStep)
     want = stream_buffer(make(), None, write)
     same_arrays(want, stream_buffer(make(), "hybrid", write), "plain hybridize() (MXNet itself)")
-    want2, got, _ = plain_and_flagged(make, stream_buffer, "depth", write=write)
+    want2, got, _ = plain_and_flagged(make, stream_buffer, policy, write=write)
     same_arrays(want2, got, "prediction before or after the write")
 
 

@@ -786,12 +786,13 @@ def test_make_loss_without_normalization(inside, rows_per_sample):
 @pytest.mark.parametrize("rows_per_sample", [1, 3])
 @pytest.mark.parametrize("inside", [True, False], ids=["in-block", "between"])
 @pytest.mark.parametrize("normalization", ["batch", "valid"])
-def test_make_loss_with_batch_normalization(normalization, inside, rows_per_sample):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_make_loss_with_batch_normalization(normalization, inside, rows_per_sample, policy):
     # its gradient is divided by its call's rows ('batch') or valid entries
     # ('valid'): merged calls would divide by every merged sample's
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        want, got, _ = make_loss_case(normalization, inside, "depth", rows_per_sample)
+        want, got, _ = make_loss_case(normalization, inside, policy, rows_per_sample)
     same_arrays(want, got, "loss or gradient")
     if inside:
         assert any("MakeLoss" in w and "normalization" in w for w in contract_warnings(record))
