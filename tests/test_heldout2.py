@@ -280,10 +280,6 @@ def test_integer_ids_and_astype_between_blocks(train, policy, dtype):
                 rng_for("ids", train, policy, dtype), 6, train, policy)
 
 
-@pytest.mark.xfail(strict=True, reason="missed merge: .astype() on a lazy array forces a flush "
-                   "of the sample's graph (NDArray.astype is copyto, not an operator), so a "
-                   "per-sample loop with an astype between blocks runs one launch per node "
-                   "(18 launches for 18 nodes); nd.cast(h, dtype=...) stays lazy")
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
 def test_astype_between_blocks_merges(policy):
     st = check_model(lambda: initialized(IdsToFloat64()), ids_samples("int32"), square_loss,
@@ -1079,10 +1075,6 @@ def test_python_side_use_of_lazy_arrays(use, train, policy, mapped):
     assert_same(ref, got)
 
 
-@pytest.mark.xfail(strict=True, reason="missed merge: .copy() / .detach() / indexing with an "
-                   "NDArray force a flush of the sample's graph in a per-sample loop (a flush per "
-                   "sample: 7 flushes for 6 samples), though each could be recorded as an "
-                   "operator (_copy, an identity without gradient, take)")
 @pytest.mark.parametrize("use", [copy_and_detach, ndarray_index], ids=lambda f: f.__name__)
 def test_forcing_views_merge_in_a_loop(use):
     net = initialized(PyUse(use))

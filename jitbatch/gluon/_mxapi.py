@@ -45,6 +45,8 @@ nd_stack = nd.stack
 nd_array = nd.array
 waitall = nd.waitall
 nd_setitem = NDArray.__setitem__
+#: MXNet's index arrays of advanced indexing (it casts them with ``astype``)
+advanced_index_to_array = NDArray._advanced_index_to_array  # pylint: disable=protected-access
 #: MXNet's autograd-state setters, as (module, names): every Python scope that
 #: changes the state (record, pause, train_mode, predict_mode) goes through them
 AUTOGRAD_SETTERS = ((autograd, ("set_recording", "set_training")),
@@ -97,6 +99,22 @@ def memory_span(arr):
     if not ptr.value:
         return None
     return ptr.value, ptr.value + arr.size * np.dtype(arr.dtype).itemsize
+
+
+def trial(shape, ctx, dtype, second=False, divides=True):
+    """An array to run a kernel on once to learn its output shapes: zeros
+    (``second``: ones); where ``dtype`` is an integer type and the kernel may
+    divide by it (``divides``), 1 (2): an integer division by zero kills the
+    process (SIGFPE) where plain Gluon, on the sample's values, divides by none."""
+    if divides and np.issubdtype(np.dtype(dtype), np.integer):
+        return invoke(op_handle("_full"), [], ["shape", "ctx", "dtype", "value"],
+                      [tuple(shape), ctx, np.dtype(dtype).name, "2" if second else "1"],
+                      None, False, False)
+    return zeros(shape, ctx, dtype, "_ones" if second else "_zeros")
+
+
+#: operators whose integer kernels trap on a zero divisor (their others do not)
+INT_DIVISIONS = ("broadcast_div", "elemwise_div", "_div")
 
 
 def zeros(shape, ctx, dtype, fill="_zeros"):

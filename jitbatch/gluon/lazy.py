@@ -13,6 +13,8 @@ try:
 except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
+import numpy as np
+from mxnet import autograd
 from mxnet import ndarray as _nd
 from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
@@ -108,7 +110,7 @@ class LazyArray(NDArray, Ref):
                 if type(part) is LazyArray:
                     part.value()
             with _mxapi.mode_scope(node.mode):
-                v = composite_value(node)
+                v = composite_value(node, self._shape)
             self._value = v
             self._node = DETACHED   # its parts (and their launches) need not stay alive
             return v
@@ -155,6 +157,12 @@ class LazyArray(NDArray, Ref):
             if _empty_slice(self, key):
                 return _empty_index(self, key)
             return _tuple_index(self, key)
+        if isinstance(key, NDArray) and key.dtype != np.bool_:
+            # MXNet's advanced indexing of axis 0 by one array, as the operators it
+            # runs (its own code casts the index with astype and then refuses the
+            # lazy result)
+            idx = _mxapi.advanced_index_to_array(key, self._shape[0], self._ctx)
+            return _nd.gather_nd(self, _nd.expand_dims(idx, axis=0))
         return NDArray.__getitem__(self, key)
 
     def __setitem__(self, key, value):
@@ -185,6 +193,28 @@ class LazyArray(NDArray, Ref):
                 "of the summed losses (nd.add_n(*losses).backward()), or retain_graph=True "
                 "on every backward() but the last; (2) leave it out of backward(); (3) "
                 "compute it inside autograd.record()") from e
+
+    # MXNet writes these three as copies into arrays it allocates (``copyto``),
+    # which would run the pending graph; as operators they are recorded and merge
+    def astype(self, dtype, copy=True):
+        if not copy and np.dtype(dtype) == self._dtype:
+            return self
+        return _nd.cast(self, dtype=dtype)
+
+    def copy(self):
+        return _nd.identity(self)
+
+    def detach(self):
+        node = self._node
+        if self._value is not None or node is DETACHED or type(node) is Composite:
+            return NDArray.detach(self.value())
+        if autograd.is_recording():
+            # values unchanged, no gradient: what MXNet's detach gives a later
+            # operator (a recorded BlockGrad's launch runs outside autograd)
+            return _nd.BlockGrad(self)
+        # outside autograd there is no gradient to cut: the same rows, and like
+        # MXNet's detach a view of them (an in-place write shows through both)
+        return new_lazy(node, self._k, self._shape, self._dtype, self._ctx, self._view)
 
     def reshape(self, *shape, **kwargs):
         if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
@@ -390,11 +420,13 @@ def parts_of(v, out):
         out.append(part)
 
 
-def composite_value(comp):
-    """The value of a composite read on its own: its operator on its parts."""
-    handle, keys, vals = comp.build
+def composite_value(comp, shape):
+    """The value of a composite read on its own (of ``shape``): its parts'
+    rows side by side, one concat along axis 0 (MXNet's generated operator
+    wrapper costs more than the call: a sample's output is often one)."""
     args = [row_value(a) if type(a) is LazyArray else a for a in comp.parts]
-    return _mxapi.invoke(handle, args, list(keys), list(vals), None, False, False)
+    out = _mxapi.concat(args)
+    return out if out.shape == shape else _mxapi.reshape(out, shape)
 
 
 # -- reading ----------------------------------------------------------------------------

@@ -116,6 +116,15 @@ def _setitem(self, key, value):
     return _mxapi.nd_setitem(self, key, value)
 
 
+def _index_array(idx, ax_len, ctx):
+    """``NDArray._advanced_index_to_array`` (an index of MXNet's advanced
+    indexing of a concrete array): a lazy index is computed first, as MXNet
+    keeps only exact NDArrays as index arrays."""
+    if type(idx) is LazyArray:
+        idx = idx.value()
+    return _mxapi.advanced_index_to_array(idx, ax_len, ctx)
+
+
 def _array(source_array, ctx=None, dtype=None):
     """``nd.array``: while this thread's graph is pending, an array made from
     Python data (a list, a NumPy array) is recorded, and a flush makes all of
@@ -436,6 +445,7 @@ def install():
     _set(register, "_imperative_invoke", _invoke)
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", _setitem)
+    _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
     _set(HybridBlock, "export", _make_export(HybridBlock.export))
     _set(_autograd, "grad", _make_grad(_autograd.grad))
