@@ -304,14 +304,15 @@ class ConstExec(object):
         finish(batch, [_mxapi.host_array(data, self.ctx, self.dtype)])
 
 
-def infer_outputs(handle, metas, keys, vals, ctx, fill="_zeros"):
+def infer_outputs(handle, metas, keys, vals, ctx, second=False):
     """Per-sample output (shape, dtype) list of an operator, found by running it
-    once on zeros (``fill="_ones"``: on ones). A kernel's error (an index out of
+    once on ``_mxapi.trial`` arrays (zeros; ``second``: ones). A kernel's error (an index out of
     range, arrays whose shapes MXNet's inference let through) raises here, at
     the call: left to the engine, it would stay in an array no one reads and
     reach a later read."""
     with ctx, autograd.pause(train_mode=False):
-        args = [_mxapi.zeros(s, ctx, d, fill) for s, d in metas]
+        divides = _mxapi.op_name(handle) in _mxapi.INT_DIVISIONS
+        args = [_mxapi.trial(s, ctx, d, second, divides) for s, d in metas]
         out = _mxapi.run_op(handle, args, keys, vals)
         try:
             for o in out:

@@ -175,7 +175,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
                                          "gradient of it is wrong: %s." % (name, wrong))
         out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
         try:
-            ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, "_ones")
+            ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, second=True)
         except Exception:  # pylint: disable=broad-except
             ones = out_meta     # (an index of 1 out of range: the zeros' run stands)
         if ones != out_meta:
@@ -326,13 +326,23 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "the block with .cast('%s')."
                 % (block.name, np.dtype(dtypes[0]).name, want, _first_line(e), want,
                    np.dtype(dtypes[0]).name)) from e
+        head = "block %s: output shapes cannot be inferred from inputs %s (%s): %s." % (
+            block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), _first_line(e))
+        broadcast = _unbroadcast_op(out, str(e))
+        if broadcast is not None:
+            raise BatchingError(
+                "%s Its operator %s combines arrays of different shapes: NDArray's %s "
+                "broadcasts them per sample, a traced graph does not (plain hybridize() "
+                "fails the same way). Fix: F.%s in the block's hybrid_forward, or this "
+                "block unhybridized (.hybridize(active=False) on it)." % ((head,) + broadcast)) \
+                from e
         raise BatchingError(
-            "block %s: output shapes cannot be inferred from inputs %s (%s): %s. Fix: give "
-            "the block inputs of the shapes and dtype its parameters were made for (its "
-            "parameters: %s); per sample, plain Gluon refuses these inputs too."
-            % (block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), _first_line(e),
-               ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
-                         for p in params) or "none")) from e
+            "%s Fix: give the block inputs of the shapes and dtype its parameters were "
+            "made for (its parameters: %s); or, where plain per-sample Gluon accepts these "
+            "inputs, the block's code does what its traced graph cannot: run it "
+            "unhybridized (.hybridize(active=False) on it)."
+            % (head, ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
+                               for p in params) or "none")) from e
     if doubled is None and any(not a or 0 in a for a in o1):
         flow = _control_flow(out)
         if flow is not None and mode[0] and flow.op in ("_cond", "_while_loop"):
@@ -424,6 +434,29 @@ def _param_dtypes(block, out, known):
     return known
 
 
+#: elementwise operators of two arrays (what NDArray's ``+ - * /`` become in a
+#: traced graph) -> (the Python operator, the broadcasting operator to write)
+_ELEMWISE = {"_plus": ("+", "broadcast_add"), "elemwise_add": ("+", "broadcast_add"),
+             "_add": ("+", "broadcast_add"), "_minus": ("-", "broadcast_sub"),
+             "elemwise_sub": ("-", "broadcast_sub"), "_sub": ("-", "broadcast_sub"),
+             "_mul": ("*", "broadcast_mul"), "elemwise_mul": ("*", "broadcast_mul"),
+             "_div": ("/", "broadcast_div"), "elemwise_div": ("/", "broadcast_div")}
+
+
+def _unbroadcast_op(out, message):
+    """(node name, Python operator, broadcasting operator) where MXNet's shape
+    inference of traced graph ``out`` failed at an elementwise operator of two
+    arrays (``Error in operator NAME:``), else None."""
+    at = message.find("Error in operator ")
+    if at < 0:
+        return None
+    name = message[at + len("Error in operator "):].split(":", 1)[0].strip()
+    for node in json.loads(out.tojson())["nodes"]:
+        if node["name"] == name and node["op"] in _ELEMWISE:
+            return (name,) + _ELEMWISE[node["op"]]
+    return None
+
+
 def _first_line(error):
     """The first line of an MXNet error's text (its type's name if it has none),
     for a message of jitbatch's own."""
@@ -467,7 +500,7 @@ def _shapes_by_running(block, args, mode):
             return [zeros(b) for b in a]
         if a is None:
             return None
-        return _mxapi.zeros(tuple(a.shape), a.context, a.dtype, "_zeros")
+        return _mxapi.trial(tuple(a.shape), a.context, a.dtype)
     with autograd.pause(train_mode=mode[1]):
         res = block._call_cached_op(*[zeros(a) for a in args])  # pylint: disable=protected-access
     outs, _ = _flatten(res, "output")

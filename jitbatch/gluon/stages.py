@@ -156,7 +156,7 @@ def _differentiable(sa, sb, a_in, b_in, ctx, mode):
         # any size where the signature has none: a ragged leading length, a
         # zero-padded axis
         shape = tuple((3 if k == 0 else 1) if d is None else d for k, d in enumerate(meta[0]))
-        z = _mxapi.zeros(shape, ctx, meta[1])
+        z = _mxapi.trial(shape, ctx, meta[1])
         z.attach_grad()
         return z
     a_args = [zeros(m) for m in a_in]
