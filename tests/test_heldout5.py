@@ -461,16 +461,23 @@ def test_make_loss_with_normalization(normalization):
         assert_same(want, got)
 
 
-def test_make_loss_without_normalization_merges():
-    """The control: ``MakeLoss(grad_scale=2)`` (no normalisation) merges and
-    gives plain Gluon's gradients."""
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_make_loss_without_normalization(train):
+    """``MakeLoss(grad_scale=2)`` (no normalisation) gives plain Gluon's numbers;
+    in inference (the identity) it merges; recorded by autograd it runs one
+    call per sample with a ContractWarning that says why (its backward passes
+    ones whatever the head gradient: tests/test_heldout14.py)."""
     net = _make(lambda F, y: F.MakeLoss(y, grad_scale=2.0))
     samples = _samples(rng_for("makeloss-null"), [1, 2, 1])
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        assert_same(run(net, square_loss, samples, True, flag=False),
-                    run(net, square_loss, samples, True, flag=True, policy="auto"))
-    assert not contract_warnings(record)
+        assert_same(run(net, square_loss, samples, train, flag=False),
+                    run(net, square_loss, samples, train, flag=True, policy="auto"))
+    said = contract_warnings(record)
+    if train:
+        assert any("head gradient" in w for w in said), said
+    else:
+        assert not said, said
 
 
 class Squeezed(HybridBlock):

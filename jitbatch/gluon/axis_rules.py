@@ -461,6 +461,13 @@ def _make_loss(f, states):
     if f.get("normalization", "null") != "null":
         raise Refuse("divides its gradient by the rows of its launch (normalization=%r): "
                       "merged, by every merged sample's" % f.get("normalization"))
+    if f.recording:
+        # its backward passes ones whatever the head gradient: a merged sample
+        # whose loss the backward never reaches (left out of it, or a launch's
+        # filler) would add its gradient
+        raise Refuse("is recorded by autograd and its backward passes ones whatever the "
+                      "head gradient: merged, a sample left out of the loss (or a filler "
+                      "of the launch) would add its gradient")
     return states[0]
 
 
@@ -537,7 +544,7 @@ _rpower_scalar _maximum_scalar _minimum_scalar _hypot_scalar _mod_scalar _rmod_s
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
 _lesser_equal_scalar _logical_and_scalar _logical_or_scalar _logical_xor_scalar logical_not
 add_n ElementWiseSum _equal _not_equal _greater _greater_equal _lesser _lesser_equal
-smooth_l1 hard_sigmoid softrelu log_sigmoid mish where _contrib_div_sqrt_dim
+smooth_l1 hard_sigmoid softrelu log_sigmoid mish where
 broadcast_add broadcast_sub broadcast_mul broadcast_div broadcast_plus broadcast_minus
 broadcast_maximum broadcast_minimum broadcast_power broadcast_hypot broadcast_mod
 broadcast_equal broadcast_not_equal broadcast_greater broadcast_greater_equal
@@ -550,7 +557,9 @@ for _name, _attr, _default in (("softmax", "axis", -1), ("log_softmax", "axis", 
                                ("softmin", "axis", -1), ("sort", "axis", -1),
                                ("argsort", "axis", -1), ("topk", "axis", -1),
                                ("cumsum", "axis", None), ("reverse", "axis", None),
-                               ("flip", "axis", None)):
+                               ("flip", "axis", None),
+                               # divides by the square root of the last axis's size
+                               ("_contrib_div_sqrt_dim", "axis", -1)):
     along(_name, _attr, _default)
 batch_first("Convolution Deconvolution Pooling UpSampling InstanceNorm L2Normalization LRN "
             "SoftmaxActivation GroupNorm Pad pad _contrib_BilinearResize2D depth_to_space "

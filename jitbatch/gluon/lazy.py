@@ -17,6 +17,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet import ndarray as _nd
 from mxnet.base import MXNetError
+from mxnet.context import cpu
 from mxnet.ndarray import NDArray
 
 from .. import execute
@@ -221,6 +222,9 @@ class LazyArray(NDArray, Ref):
             shape = tuple(shape[0])
         elif not shape:
             shape = tuple(kwargs.pop("shape"))
+        if not all(type(d) is int and (d > 0 or d == -1) for d in shape) or \
+                kwargs.get("reverse"):
+            shape = resolved_shape(self._shape, shape, bool(kwargs.pop("reverse", False)))
         _check_size(self._shape, shape)
         return _nd.reshape(self, shape=shape, **kwargs)
 
@@ -244,11 +248,28 @@ if cython.compiled:
     jb_lazy_type(LazyArray)  # noqa: F821 (compiled only: lazy.pxd's maker learns the slots)
 
 
+_CPU = cpu()
+_RESOLVED = {}   # (shape, target with MXNet's special codes, reverse) -> plain target
+
+
+def resolved_shape(have, shape, reverse):
+    """``shape`` with MXNet's special codes (0, -2, -3, -4; ``reverse``)
+    resolved for an array of shape ``have``, by ``NDArray.reshape`` itself on
+    a stand-in array: where the sizes differ it raises plain Gluon's error
+    (MXNet's ``Reshape`` operator, which records the call, checks nothing)."""
+    key = (tuple(have), tuple(shape), reverse)
+    out = _RESOLVED.get(key)
+    if out is None:
+        stand_in = _mxapi.zeros(tuple(have), _CPU, "float32")
+        out = _RESOLVED[key] = NDArray.reshape(stand_in, tuple(shape), reverse=reverse).shape
+    return out
+
+
 def _check_size(have, shape):
     """Refuse ``reshape`` of an array of shape ``have`` into ``shape`` (plain
-    sizes and one -1; MXNet's special codes are left to it) where the sizes
-    differ, as ``NDArray.reshape`` does: MXNet's ``Reshape`` operator, which
-    records it, reads past the rows instead."""
+    sizes and one -1; MXNet's special codes are resolved first) where the
+    sizes differ, as ``NDArray.reshape`` does: MXNet's ``Reshape`` operator,
+    which records it, reads past the rows instead."""
     if not all(type(d) is int and (d > 0 or d == -1) for d in shape) or shape.count(-1) > 1:
         return
     size = known = 1

@@ -21,6 +21,7 @@ from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.gluon.rnn.rnn_layer import _RNNLayer
 from mxnet.ndarray import NDArray, register
 from mxnet import ndarray as _ndmod
+from mxnet import random as _mxrandom
 from mxnet.symbol import Symbol
 
 from .. import config as _config
@@ -220,6 +221,20 @@ def _waitall():
     if g.nodes and not g.executing:
         execute.run_graph(g, reason="waitall")
     return _mxapi.waitall()
+
+
+def _make_seed(orig):
+    """``mx.random.seed``: the draws pending in this thread's graph are made
+    first, from the generator's state before the seed, as per sample each
+    draw is made at its call (a seed before each sample gives each the same
+    Dropout mask, as in plain Gluon)."""
+    @wraps(orig)
+    def seed(*args, **kwargs):
+        g = current_graph()
+        if g.nodes and not g.executing:
+            execute.run_graph(g, reason="seed")
+        return orig(*args, **kwargs)
+    return seed
 
 
 # -- blocks ----------------------------------------------------------------------------
@@ -449,6 +464,7 @@ def install():
     _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
     _set(HybridBlock, "export", _make_export(HybridBlock.export))
     _set(_autograd, "grad", _make_grad(_autograd.grad))
+    _set(_mxrandom, "seed", _make_seed(_mxrandom.seed))
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()

@@ -97,7 +97,19 @@ def broadcast(names):
 
 
 def _reshaping(attrs, keys, vals, ins, outs):
+    # MXNet's Reshape operator does not check sizes (a target with special
+    # codes can hold fewer values): re-viewing merged data then reads other
+    # samples' rows, so only a true re-view merges
+    if _size(ins[0]) != _size(outs[0]):
+        return None
     return ("reshape", keys, vals, None)
+
+
+def _size(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def reshape(names):
@@ -217,16 +229,10 @@ def _dropout(attrs, keys, vals, ins, outs):
     return ("elemwise", keys, vals, None)
 
 
-def _make_loss(attrs, keys, vals, ins, outs):
-    # its gradient is divided by the rows of its call ('batch') or its count of
-    # valid entries ('valid'): merged, by every merged sample's
-    if attrs.get("normalization", "null") != "null":
-        return None
-    return _same_elemwise(attrs, keys, vals, ins, outs)
-
-
 # -- the registry ------------------------------------------------------------------------
-_register("MakeLoss make_loss", _make_loss)
+# (no rule for MakeLoss / make_loss: its backward passes ones whatever the head
+# gradient, so a merged sample the backward never reaches would add its gradient;
+# one launch per call)
 elemwise("""
 Activation sigmoid tanh relu softsign exp expm1 log log1p log2 log10 sqrt rsqrt cbrt square abs
 negative reciprocal sign floor ceil round rint fix trunc sin cos tan arcsin arccos arctan sinh

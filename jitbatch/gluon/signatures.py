@@ -24,6 +24,7 @@ import warnings
 
 import numpy as np
 from mxnet import autograd
+from mxnet.base import MXNetError
 from mxnet.gluon.block import _flatten
 
 from .. import config as _config
@@ -33,10 +34,10 @@ from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_outputs,
                         watch_params)
 from .flags import pad_names
-from .lazy import LazyArray, NotDifferentiableError
+from .lazy import LazyArray, NotDifferentiableError, resolved_shape
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients
-from .rules import rule_for
+from .rules import parse_attr, rule_for
 
 TABLE = SignatureTable()
 EXACT = {}      # exact call key -> SigInfo (bounded by TABLE.limit)
@@ -151,6 +152,7 @@ def const_signature(row, dtype, ctx):
 #: (``contrib.boolean_mask``): not recorded, their calls run on computed
 #: arguments (the shapes a signature would fix came from zeros)
 VALUE_SHAPED = set()
+_RESHAPES = ("Reshape", "reshape")
 
 
 def op_signature(handle, keys, vals, metas, mode, output_is_list):
@@ -169,6 +171,13 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         shapes = tuple((m[0], m[1]) for m in metas)
         name = _mxapi.op_name(handle)
         ctx = check_ctx(metas, "operator %s" % name)
+        if name in _RESHAPES and "shape" in keys:
+            # MXNet's Reshape checks no sizes: a target of fewer values corrupts
+            # the heap (its trial run below too); refused as NDArray.reshape does
+            attrs = dict(zip(keys, vals))
+            target = parse_attr(str(attrs["shape"]))
+            resolved_shape(shapes[0][0], (target,) if isinstance(target, int) else tuple(target),
+                           parse_attr(str(attrs.get("reverse", "False"))) is True)
         wrong = gradients.WRONG_GRADIENT.get(name)
         if wrong is not None and mode[0]:
             raise NotDifferentiableError("operator %s, recorded by autograd: MXNet 1.9.1's "
@@ -320,7 +329,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         if len(pdt) == 1 and np.issubdtype(np.dtype(dtypes[0]), np.floating) and \
                 np.dtype(dtypes[0]).name not in pdt:
             want = pdt.pop()
-            raise BatchingError(
+            raise InputShapeError(
                 "block %s: argument 0 is %s but the block's parameters are %s, so MXNet "
                 "cannot infer its outputs (%s). Fix: cast the input with .astype('%s'), or "
                 "the block with .cast('%s')."
@@ -336,7 +345,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "fails the same way). Fix: F.%s in the block's hybrid_forward, or this "
                 "block unhybridized (.hybridize(active=False) on it)." % ((head,) + broadcast)) \
                 from e
-        raise BatchingError(
+        raise InputShapeError(
             "%s Fix: give the block inputs of the shapes and dtype its parameters were "
             "made for (its parameters: %s); or, where plain per-sample Gluon accepts these "
             "inputs, the block's code does what its traced graph cannot: run it "
@@ -441,6 +450,12 @@ _ELEMWISE = {"_plus": ("+", "broadcast_add"), "elemwise_add": ("+", "broadcast_a
              "elemwise_sub": ("-", "broadcast_sub"), "_sub": ("-", "broadcast_sub"),
              "_mul": ("*", "broadcast_mul"), "elemwise_mul": ("*", "broadcast_mul"),
              "_div": ("/", "broadcast_div"), "elemwise_div": ("/", "broadcast_div")}
+
+
+class InputShapeError(BatchingError, MXNetError):
+    """A block called with inputs its graph cannot take (shapes, dtypes): an
+    ``MXNetError`` too, as per sample MXNet raises one there (a loop that skips
+    malformed samples with ``except MXNetError`` goes on)."""
 
 
 def _unbroadcast_op(out, message):
