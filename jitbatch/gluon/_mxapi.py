@@ -20,7 +20,8 @@ import numpy as np
 from mxnet import autograd
 from mxnet.context import Context, current_context
 from mxnet import ndarray as nd
-from mxnet.base import NDArrayHandle, OpHandle, _LIB, c_array, c_str, check_call, mx_uint, py_str
+from mxnet.base import (MXNetError, NDArrayHandle, OpHandle, SymbolHandle, _LIB, c_array, c_str,
+                        c_str_array, check_call, mx_uint, py_str)
 from mxnet.contrib import autograd as contrib_autograd
 from mxnet.gluon.block import Block, HybridBlock
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
@@ -73,6 +74,28 @@ def _op_table():
         check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(hdl)))
         _OP_NAMES[hdl.value] = name
         _HANDLES[name] = hdl.value
+
+
+def infer_by_symbol(handle, metas, keys, vals):
+    """Per-sample output (shape, dtype) list of operator ``handle`` on inputs
+    of ``metas`` ((shape, dtype) pairs) by MXNet's symbolic inference, without
+    running it; None where that infers nothing."""
+    from mxnet.symbol import Symbol, var   # (symbol imports this package's ndarray)
+    sym_handle = SymbolHandle()
+    check_call(_LIB.MXSymbolCreateAtomicSymbol(
+        ctypes.c_void_p(handle), mx_uint(len(keys)), c_str_array(list(keys)),
+        c_str_array([str(v) for v in vals]), ctypes.byref(sym_handle)))
+    sym = Symbol(sym_handle)
+    names = ["in%d" % i for i in range(len(metas))]
+    sym._compose(*[var(n) for n in names], name="trial")  # pylint: disable=protected-access
+    try:
+        _, shapes, _ = sym.infer_shape(**{n: tuple(m[0]) for n, m in zip(names, metas)})
+        _, dtypes, _ = sym.infer_type(**{n: np.dtype(m[1]) for n, m in zip(names, metas)})
+    except MXNetError:
+        return None
+    if not shapes or not dtypes or any(s is None or d is None for s, d in zip(shapes, dtypes)):
+        return None
+    return tuple((tuple(s), d) for s, d in zip(shapes, dtypes))
 
 
 def op_name(handle):

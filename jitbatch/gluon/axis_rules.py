@@ -141,6 +141,24 @@ def random_like(names):
         RANDOM.add(name)
 
 
+def samplers(names, per_row=False):
+    """Operators that draw independently per element of their parameter
+    inputs (``sample_normal(mu, sigma)``; ``per_row``: per row of the last
+    axis, ``sample_multinomial(probs)``): per sample where every input is,
+    along one axis."""
+    def rule(f, states):
+        if any(s is CONST for s in states) or len(set(states)) != 1:
+            raise Refuse("draws for parameters that are not all per sample along one axis: "
+                          "merged samples would share or mix the draws")
+        a = states[0]
+        if per_row and a == len(f.ins[0]) - 1:
+            raise Refuse("draws along the axis along which merged samples lie")
+        return a
+    for name in names.split():
+        RULES[name] = rule
+        RANDOM.add(name)
+
+
 def constant_sources(names):
     """Deterministic operators without inputs (or of constant inputs only)."""
     for name in names.split():
@@ -566,11 +584,14 @@ batch_first("Convolution Deconvolution Pooling UpSampling InstanceNorm L2Normali
             "space_to_depth")
 random_sources("""
 _random_uniform _random_normal _random_gamma _random_exponential _random_poisson
-_random_negative_binomial _random_generalized_negative_binomial _random_randint
-_sample_uniform _sample_normal _sample_gamma _sample_exponential _sample_poisson
-_sample_negative_binomial _sample_generalized_negative_binomial _sample_multinomial _shuffle
+_random_negative_binomial _random_generalized_negative_binomial _random_randint _shuffle
 _sample_unique_zipfian
 """)
+samplers("""
+_sample_uniform _sample_normal _sample_gamma _sample_exponential _sample_poisson
+_sample_negative_binomial _sample_generalized_negative_binomial
+""")
+samplers("_sample_multinomial", per_row=True)
 random_like("""
 _random_uniform_like _random_normal_like _random_gamma_like _random_exponential_like
 _random_poisson_like _random_negative_binomial_like _random_generalized_negative_binomial_like

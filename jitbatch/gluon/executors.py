@@ -18,6 +18,7 @@ from mxnet.gluon.block import _flatten, _regroup
 
 from ..errors import BatchingError
 from . import _mxapi, gather
+from .axis_rules import RANDOM
 from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
 
@@ -304,12 +305,22 @@ class ConstExec(object):
         finish(batch, [_mxapi.host_array(data, self.ctx, self.dtype)])
 
 
+#: the random operators' handles (one per operator, whichever alias it is called by)
+_RANDOM_HANDLES = frozenset(_mxapi.op_handle(name) for name in RANDOM)
+
+
 def infer_outputs(handle, metas, keys, vals, ctx, second=False):
     """Per-sample output (shape, dtype) list of an operator, found by running it
     once on ``_mxapi.trial`` arrays (zeros; ``second``: ones). A kernel's error (an index out of
     range, arrays whose shapes MXNet's inference let through) raises here, at
     the call: left to the engine, it would stay in an array no one reads and
-    reach a later read."""
+    reach a later read. A random operator's shapes come from MXNet's symbolic
+    inference where it gives them: a trial run would take numbers from the
+    generator a seeded program draws from."""
+    if handle in _RANDOM_HANDLES:
+        known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
+        if known is not None:
+            return known
     with ctx, autograd.pause(train_mode=False):
         divides = _mxapi.op_name(handle) in _mxapi.INT_DIVISIONS
         args = [_mxapi.trial(s, ctx, d, second, divides) for s, d in metas]
