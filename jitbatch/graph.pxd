@@ -31,6 +31,8 @@ cdef class Graph:
     cdef public list retired, kept, kept_before
     cdef public dict reads
     cdef public object spans
+    cdef public list aliased
+    cdef public Py_ssize_t aliased_cap
     cdef public object autograd, sharing, net
     cdef public Py_ssize_t autograd_gen
     cpdef Node add(self, info, tuple inputs, site, mode, rows=*)

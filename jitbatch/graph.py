@@ -154,6 +154,10 @@ class Graph(object):
         self.reads = {}        # id -> what pending nodes read: concrete arrays (a write to
                                # one runs the graph first, see record.before_write), blocks
         self.spans = None      # the memory of what reads holds, made at a write (record)
+        self.aliased = []      # weak references to lazy arrays that read others' memory
+                               # when computed (composites, reshape/detach views): an
+                               # in-place write to what they read computes them first
+        self.aliased_cap = 1024  # len(aliased) at which dead references are dropped
         self.retired = []      # node lists of finished flushes (see retire)
         self.kept = []         # node lists of the current graph, inputs freed
         self.kept_before = []  # ... of the graph before it

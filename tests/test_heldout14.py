@@ -808,16 +808,14 @@ ALIASED_COPIES = {f.__name__.lstrip("_"): f for f in (
     _concat_after_backward_then_iadd)}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: silent wrong number: nd.concat(..., dim=0) and nd.stack(..., "
-    "axis=1) involving a lazy array make a Composite (free structure) that "
-    "keeps REFERENCES to its parts, lazy or concrete, and reads them when "
-    "it is read; in MXNet both are copies, so an in-place write to a part "
-    "after the call (a reused input buffer: buf[:] = row; a state reset; "
-    "y += 1 after backward) shows up in the result: every sample's 'input' "
-    "row reads the last row written"))
 @pytest.mark.parametrize("name", sorted(ALIASED_COPIES))
 def test_concat_and_stack_are_copies_of_their_parts(name):
+    """nd.concat(dim=0) / nd.stack(axis=1) are copies of their parts: until
+    2026-11-27 the composite kept references to its parts and read them when
+    read, so an in-place write to a part made after it (a reused input
+    buffer, y[:] = 4, y += 1 after backward) showed in it (every sample's
+    input row read the last row written); now a write first computes the
+    composites that read the written memory."""
     want, got, _ = both(seeded(Dense3), ALIASED_COPIES[name], "depth")
     same_arrays(want, got, "concatenated copy or part")
 
@@ -857,15 +855,15 @@ RESHAPE_VIEWS = {f.__name__.lstrip("_"): f for f in (
     _write_through_expand_dims_inplace)}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: lost state (silent wrong number): NDArray.reshape (and "
-    "expand_dims(inplace=True)) of a lazy array is recorded as an operator, "
-    "a copy, even after its value was read; in MXNet it is a VIEW sharing "
-    "the array's memory, so a write through the reshaped array changes the "
-    "original and a write to the original shows in the reshaped one; under "
-    "jitbatch neither does (slices y[a:b] and y[i] are views, as in MXNet)"))
 @pytest.mark.parametrize("name", sorted(RESHAPE_VIEWS))
 def test_a_reshaped_lazy_array_is_a_view(name):
+    """NDArray.reshape and expand_dims(inplace=True) are views: until
+    2026-11-27 those of a lazy array were recorded Reshape operators, copies
+    even after the value was read, so a write through the reshaped array
+    was lost on the original and a write to the original did not show in
+    it; now a computed array's reshape is MXNet's view, and a pending one's
+    recorded reshape becomes MXNet's view of the source's value before a
+    write to either."""
     want, got, _ = both(seeded(Dense3), RESHAPE_VIEWS[name], "agenda")
     same_arrays(want, got, "view or original")
 
@@ -878,16 +876,13 @@ PAUSED = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: silent wrong number (gradient): a slice y[a:b], an index y[i], "
-    "nd.concat(dim=0) or nd.stack(axis=1) of lazy arrays taken under "
-    "autograd.pause() inside autograd.record() (a stop-gradient target) is "
-    "free structure: its consumers gather the rows straight from the "
-    "recorded launch, recorded, so the gradient flows through it; per "
-    "sample the paused view/copy is not recorded and passes no gradient "
-    "(nd.BlockGrad, .detach() and operators under pause are right)"))
 @pytest.mark.parametrize("name", sorted(PAUSED))
 def test_views_taken_under_autograd_pause_pass_no_gradient(name):
+    """Views and composites taken under autograd.pause() of rows recorded
+    under autograd.record pass no gradient: until 2026-11-27 they were free
+    structure (no node) whose consumers gathered the rows with the gradient,
+    a wrong weight gradient; now the slice, concat or stack is recorded
+    under pause and runs outside autograd."""
     view = PAUSED[name]
 
     def program(net):

@@ -215,7 +215,8 @@ def test_dropout_cell_draws_a_mask_per_sample_and_backward_uses_it(policy, mappe
     wb = np.broadcast_to(w.asnumpy() * 2, Y.shape)
     np.testing.assert_allclose(G[Y != 0], wb[Y != 0], rtol=1e-5)
     np.testing.assert_allclose(Y[Y != 0], np.broadcast_to(x0 * 2, Y.shape)[Y != 0], rtol=1e-5)
-    assert merged(jitbatch.stats()), jitbatch.stats()
+    if policy != "auto":   # ('auto' may pick 'sequential' from times measured under load)
+        assert merged(jitbatch.stats()), jitbatch.stats()
 
 
 # -- 2. containers and nesting ------------------------------------------------------------

@@ -391,7 +391,8 @@ def test_trainer_plumbing_over_steps(variant, policy):
     want, got, st = plain_and_flagged(seeded(Tagger), tagger_steps, policy, variant=variant,
                                       batches=batches, labels=labels)
     same_arrays(want, got, "loss, clip norm, gradient, parameter or metric")
-    assert merged(st), st
+    if policy != "auto":   # ('auto' may pick 'sequential' from times measured under load)
+        assert merged(st), st
 
 
 def between_forward_and_backward(net, policy, how):

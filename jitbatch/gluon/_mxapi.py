@@ -117,6 +117,11 @@ def memory_span(arr):
     within the array it views), or None (sparse, or none allocated)."""
     if arr.stype != "default":
         return None
+    # an operator's output gets its memory when the engine's worker runs the
+    # operator; MXNDArrayGetData allocates it too if it has none yet, racing
+    # that worker: the array could keep a buffer no kernel writes (garbage
+    # values later). The producer is waited for first.
+    arr.wait_to_read()
     ptr = ctypes.c_void_p()
     check_call(_LIB.MXNDArrayGetData(arr.handle, ctypes.byref(ptr)))
     if not ptr.value:

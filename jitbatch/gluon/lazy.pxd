@@ -83,7 +83,13 @@ cdef extern from *:
     object jb_new_lazy(object type, object node, object k, object shape, object dtype,
                        object ctx, object view)
 
+from cpython.weakref cimport PyWeakref_NewRef
+from jitbatch.graph cimport Node, Composite, Graph, current_graph
+from jitbatch.gluon.modes cimport mode
+
 cpdef new_lazy(node, k, shape, dtype, ctx, view=*)
+cpdef track(g, la)
+cpdef unrecorded_parts(parts)
 cpdef row_view(arr, key)
 cpdef _view(arr, r0, rc, squeeze, new_shape)
 cpdef parts_of(v, list out)

@@ -7,6 +7,7 @@ which runs the pending graph (``force``) and reads this array's rows of its
 launch's output (``row_value``). Views (``x[i]``, ``x[a:b]`` on axis 0) are
 free: rows of the producer's output, no node."""
 import numbers
+import weakref
 
 try:
     import cython   # compiled: lazy arrays are made and freed in C (lazy.pxd)
@@ -22,10 +23,11 @@ from mxnet.ndarray import NDArray
 
 from .. import execute
 from ..errors import BatchingError, StaleValueError
-from ..graph import Composite, Ref, recorder
+from ..graph import Composite, Graph, Node, Ref, current_graph, recorder
 from . import _mxapi
 from .interleave import in_sample
 from .layout import extent
+from .modes import mode
 
 
 class _Detached(object):
@@ -51,7 +53,8 @@ class LazyArray(NDArray, Ref):
     ``squeeze`` (integer indexing) - views are free, they need no node.
     Compiled, lazy arrays are made in C (``lazy.pxd``), which learns the slots
     from this class: a slot added here needs ``__init__`` only."""
-    __slots__ = ("_node", "_k", "_shape", "_dtype", "_ctx", "_view", "_value")
+    __slots__ = ("_node", "_k", "_shape", "_dtype", "_ctx", "_view", "_value", "_base",
+                 "__weakref__")
 
     def __init__(self, node, k, shape, dtype, ctx, view=None):  # pylint: disable=super-init-not-called
         self._node = node
@@ -61,6 +64,8 @@ class LazyArray(NDArray, Ref):
         self._ctx = ctx
         self._view = view
         self._value = None
+        self._base = None    # (array, None or shape): computed, this is MXNet's detach /
+                             # reshape view of that array's value (see track_view)
         self.writable = True
 
     def __del__(self):
@@ -102,6 +107,8 @@ class LazyArray(NDArray, Ref):
 
     def _materialize(self):
         node = self._node
+        if self._base is not None:
+            return _as_view(self)
         if type(node) is Composite:
             err = node.failed
             if err is not None:
@@ -207,17 +214,27 @@ class LazyArray(NDArray, Ref):
 
     def detach(self):
         node = self._node
-        if self._value is not None or node is DETACHED or type(node) is Composite:
+        if self._value is not None or node is DETACHED or type(node) is Composite or \
+                self._base is not None:
             return NDArray.detach(self.value())
-        if autograd.is_recording():
+        if autograd.is_recording() or node.mode[0]:
             # values unchanged, no gradient: what MXNet's detach gives a later
-            # operator (a recorded BlockGrad's launch runs outside autograd)
-            return _nd.BlockGrad(self)
-        # outside autograd there is no gradient to cut: the same rows, and like
-        # MXNet's detach a view of them (an in-place write shows through both)
+            # operator (a recorded BlockGrad's launch runs outside autograd; so
+            # does one recorded outside autograd.record, as under pause); a
+            # write to it or to this array makes it MXNet's detach of the value
+            out = _nd.BlockGrad(self)
+            if type(out) is LazyArray:
+                track_view(out, self, None)
+            return out
+        # computed outside autograd, there is no gradient to cut: the same rows,
+        # and like MXNet's detach a view of them (a write shows through both)
         return new_lazy(node, self._k, self._shape, self._dtype, self._ctx, self._view)
 
     def reshape(self, *shape, **kwargs):
+        """MXNet's reshape is a view: computed, this is MXNet's reshape of the
+        value; pending, a recorded ``Reshape`` (it merges), which a write to
+        it or to this array first makes MXNet's view of this array's value
+        (``track_view``)."""
         if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
             shape = tuple(shape[0])
         elif not shape:
@@ -226,7 +243,14 @@ class LazyArray(NDArray, Ref):
                 kwargs.get("reverse"):
             shape = resolved_shape(self._shape, shape, bool(kwargs.pop("reverse", False)))
         _check_size(self._shape, shape)
-        return _nd.reshape(self, shape=shape, **kwargs)
+        node = self._node
+        if self._value is not None or node is DETACHED or \
+                (type(node) is Node and node.batch is not None):
+            return NDArray.reshape(self.value(), shape, **kwargs)
+        out = _nd.reshape(self, shape=shape, **kwargs)
+        if type(out) is LazyArray:
+            track_view(out, self, out._shape)
+        return out
 
     def __repr__(self):
         if self._value is None and (self._node.batch is None or type(self._node) is Composite) \
@@ -344,6 +368,158 @@ def detach(arr):
     arr._node = DETACHED
 
 
+# -- arrays that read others' memory when computed ----------------------------------
+# A composite reads its parts when it is computed, and a reshape or detach of a
+# pending lazy array is a recorded operator (a copy, so that it merges) where
+# MXNet's is a view. Either is exact only while nothing it reads is written in
+# place: the thread's graph keeps weak references to them (``Graph.aliased``),
+# and a write (``before_aliased_write``) first computes those that read the
+# written memory: a composite becomes the copy MXNet's concat/stack made, a
+# reshape or detach becomes MXNet's view of its source's value.
+def track(g, la):
+    """Keep lazy array ``la`` (a composite or a view) in graph ``g``'s list."""
+    gr: Graph = g
+    refs = gr.aliased
+    if cython.compiled:
+        refs.append(PyWeakref_NewRef(la, None))  # noqa: F821 (compiled only: lazy.pxd)
+    else:
+        refs.append(weakref.ref(la))
+    if len(refs) >= gr.aliased_cap:
+        live = []
+        for r in refs:
+            x = r()
+            if x is not None and value_of(x) is None:
+                live.append(r)
+        gr.aliased = live
+        gr.aliased_cap = max(1024, 2 * len(live))
+
+
+def track_view(out, src, shape):
+    """``out`` (a recorded copy of lazy ``src``) is MXNet's view of it: its
+    detach (``shape`` None) or its reshape into ``shape``."""
+    out._base = (src, shape)
+    track(current_graph(), out)
+
+
+def _as_view(la):
+    """Compute view ``la`` as MXNet's detach or reshape of its source's value
+    (the value its recorded operator computed is a copy: after a write to
+    either, they would differ)."""
+    src, shape = la._base
+    v = src.value()
+    if shape is None:
+        v = NDArray.detach(v)
+    else:
+        with _mxapi.mode_scope(la._node.mode):
+            v = _mxapi.reshape(v, shape)
+    la._value = v
+    la._node = DETACHED
+    la._view = None
+    la._base = None
+    return v
+
+
+def before_aliased_write(target):
+    """An in-place write to ``target`` (concrete or lazy) is about to run: the
+    tracked lazy arrays that read its memory when computed (a composite
+    holding it, a view of it, through views: same object or overlapping
+    memory) are computed first, as MXNet computed them when they were made."""
+    g: Graph = current_graph()
+    if not g.aliased or g.executing:
+        return
+    mem = target.value() if type(target) is LazyArray else target
+    span = _mxapi.memory_span(mem) if isinstance(mem, NDArray) else None
+    if span is not None and span[0] == span[1]:
+        span = None
+    spans = {}
+    keep = []
+    hits = []
+    for r in g.aliased:
+        la = r()
+        if la is None or value_of(la) is not None:
+            continue
+        node = node_of(la)
+        hit = False
+        if type(node) is Composite:
+            for p in node.parts:
+                if _reads(p, target, span, spans):
+                    hit = True
+                    break
+        elif la._base is not None:
+            hit = _reads(la._base[0], target, span, spans)
+        if hit:
+            hits.append(la)
+        else:
+            keep.append(r)
+    g.aliased = keep
+    for la in hits:
+        try:
+            la.value()
+        except StaleValueError:
+            pass    # made of rows of a failed graph: it fails when read, as before
+
+
+def _reads(p, target, span, spans):
+    """Whether computing a value that reads ``p`` reads ``target``'s memory."""
+    while True:
+        if p is target:
+            return True
+        if type(p) is LazyArray:
+            m = value_of(p)
+            if m is None:
+                base = p._base
+                if base is not None:     # a view: it will read its source
+                    p = base[0]
+                    continue
+                node = node_of(p)
+                if type(node) is not Node or node.batch is None:
+                    return False         # pending: no memory yet, or a composite (tracked)
+                m = node.batch[k_of(p)]  # a launch's output: its rows are read
+        else:
+            m = p
+        if span is None:
+            return False
+        key = id(m)
+        mine = spans.get(key)
+        if mine is None:
+            mine = spans[key] = (_mxapi.memory_span(m) or (0, 0), m)
+        lo, hi = mine[0]
+        return lo < span[1] and span[0] < hi
+
+
+def unrecorded_parts(parts):
+    """The parts of a composite made while autograd is not recording: per
+    sample its concat/stack is an array outside autograd's graph, so no
+    gradient may reach a part through it. None where a part is a lazy array
+    recorded under autograd (the caller records the operator instead, which
+    runs outside autograd); concrete parts and computed lazy ones are taken
+    as MXNet's detach of their values (the same memory)."""
+    out = None
+    i = 0
+    for p in parts:
+        if type(p) is LazyArray:
+            node = node_of(p)
+            if node is not DETACHED:
+                if type(node) is Node:
+                    n: Node = node
+                    if n.mode[0]:
+                        return None
+                elif type(node) is Composite:
+                    c: Composite = node
+                    if c.mode[0]:
+                        return None
+                i += 1
+                continue
+            v = p.value()
+        else:
+            v = p
+        if out is None:
+            out = list(parts)
+        out[i] = NDArray.detach(v)
+        i += 1
+    return parts if out is None else tuple(out)
+
+
 # -- views -----------------------------------------------------------------------------
 def row_view(arr, key):
     """``x[i]`` / ``x[a:b]`` of lazy array ``arr`` along axis 0 as a free view
@@ -377,6 +553,14 @@ def _view(arr, r0, rc, squeeze, new_shape):
     node = node_of(arr)
     if node is DETACHED or type(node) is Composite:
         return None
+    if type(node) is Node:
+        n: Node = node
+        if n.mode[0] and not mode(current_graph())[0]:
+            # taken outside autograd.record (under pause) of rows recorded under
+            # it: per sample MXNet's view is then outside autograd's graph and
+            # passes no gradient; a free view would be gathered with the
+            # gradient. The caller records the slice, which runs outside autograd
+            return None
     _, dtype, ctx = meta_of(arr)
     return new_lazy(node, k_of(arr), new_shape, dtype, ctx, (r0, rc, squeeze))
 

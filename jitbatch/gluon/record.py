@@ -32,7 +32,7 @@ from ..signature import SigInfo
 from . import _mxapi
 from .backend import BACKEND
 from .executors import is_param
-from .lazy import LazyArray, new_lazy
+from .lazy import LazyArray, before_aliased_write, new_lazy, track, unrecorded_parts
 from .meta import device, meta
 from .modes import mode
 from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
@@ -84,13 +84,21 @@ def before_write(target):
     thread reads it (a concrete argument, a parameter of a recorded block, a
     lazy array), the pending graph runs first, so it computes with the value
     it was called with, as per-sample code does (inside ``autograd.record``
-    MXNet then refuses the write, as it refuses it per sample)."""
+    MXNet then refuses the write, as it refuses it per sample). Composites and
+    views that read its memory when computed are computed first
+    (``lazy.before_aliased_write``)."""
     g: Graph = current_graph()
     param = is_param(target)
     if param:
         _refuse_if_read_elsewhere(target, g)
-    if not g.nodes or g.executing:
-        return
+    if g.nodes and not g.executing:
+        _run_readers(g, target, param)
+    if g.aliased:
+        before_aliased_write(target)
+
+
+def _run_readers(g, target, param):
+    """``before_write``'s pending calls that read ``target``: they run first."""
     if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
         read = _read_while_recording(target)
         gr: Graph = g
@@ -481,8 +489,16 @@ def rows_composite(kind, handle, ndargs, keys, vals):
         if dim != 0 or any(m[0][1:] != rest for m in mc):
             return None
         shape = (sum(m[0][0] for m in mc),) + rest
-    return new_lazy(Composite(tuple(ndargs), (handle, keys, vals), mode(current_graph())), 0,
-                    shape, d0, c0, None)
+    g = current_graph()
+    mode_ = mode(g)
+    parts = tuple(ndargs)
+    if not mode_[0]:
+        parts = unrecorded_parts(parts)
+        if parts is None:     # under autograd.pause, of rows recorded under autograd
+            return None
+    out = new_lazy(Composite(parts, (handle, keys, vals), mode_), 0, shape, d0, c0, None)
+    track(g, out)
+    return out
 
 
 def stack(data, kwargs):
@@ -508,8 +524,16 @@ def stack(data, kwargs):
                     g: Graph = current_graph()
                     if not g.executing:
                         n = len(data)
-                        return new_lazy(Composite(data, _stack_build(n), mode(g)), 0,
-                                        (1, n) + s0[1:], d0, c0, None)
+                        mode_ = mode(g)
+                        parts = data
+                        if not mode_[0]:
+                            parts = unrecorded_parts(data)
+                            if parts is None:  # paused: MXNet's stack records the operator
+                                return None
+                        out = new_lazy(Composite(parts, _stack_build(n), mode_), 0,
+                                       (1, n) + s0[1:], d0, c0, None)
+                        track(g, out)
+                        return out
     if data and (not kwargs or kwargs.keys() <= {"axis"}):
         for a in data:
             if type(a) is LazyArray:
