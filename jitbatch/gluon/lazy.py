@@ -515,9 +515,25 @@ def unrecorded_parts(parts):
             v = p
         if out is None:
             out = list(parts)
-        out[i] = NDArray.detach(v)
+        out[i] = _detached(v)
         i += 1
     return parts if out is None else tuple(out)
+
+
+_DETACHED = {}   # id(array) -> (array, its detach): one per array, so gathers share it
+
+
+def _detached(v):
+    """MXNet's detach of concrete ``v``, the same object for the same array
+    (composites of a shared part, a zero state, gather it as one source)."""
+    hit = _DETACHED.get(id(v))
+    if hit is not None and hit[0] is v:
+        return hit[1]
+    if len(_DETACHED) >= 4096:
+        _DETACHED.clear()
+    d = NDArray.detach(v)
+    _DETACHED[id(v)] = (v, d)
+    return d
 
 
 # -- views -----------------------------------------------------------------------------
