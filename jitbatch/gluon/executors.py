@@ -316,7 +316,8 @@ def infer_outputs(handle, metas, keys, vals, ctx, second=False):
     the call: left to the engine, it would stay in an array no one reads and
     reach a later read. A random operator's shapes come from MXNet's symbolic
     inference where it gives them: a trial run would take numbers from the
-    generator a seeded program draws from."""
+    generator a seeded program draws from; so do a linear-algebra operator's
+    where its kernel refuses the trial's zeros."""
     if handle in _RANDOM_HANDLES:
         known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
         if known is not None:
@@ -333,5 +334,11 @@ def infer_outputs(handle, metas, keys, vals, ctx, second=False):
                 _mxapi.waitall()
             except MXNetError:
                 pass
+            # a linear-algebra kernel refuses zeros (a singular matrix) that
+            # the sample's values are not: its shapes from symbolic inference
+            if _mxapi.op_name(handle).lstrip("_").startswith("linalg_"):
+                known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
+                if known is not None:
+                    return known
             raise
     return tuple((o.shape, o.dtype) for o in out)

@@ -85,7 +85,10 @@ def zero_pad(block, **axes):
     ``axes`` maps an input's name in ``hybrid_forward`` to the axis (>= 1; axis
     0 is the batch axis). ``jitbatch.zero_pad(block)`` removes the declaration.
     jitbatch cannot check the claim; a wrong one gives wrong results (test the
-    block batched against plain Gluon, as tests/test_differential.py does)."""
+    block batched against plain Gluon, as tests/test_differential.py does).
+    The claim covers the backward pass in floating point: a padded row that is
+    NaN anywhere (0/0 in a norm, a softmax of a row masked with -inf) makes
+    the gradients NaN even where the result masks it out (0 * NaN)."""
     if not isinstance(block, HybridBlock):
         raise FlagError("zero_pad(%r): expected a HybridBlock instance, got %s"
                         % (block, type(block).__name__))
