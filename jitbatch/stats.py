@@ -4,7 +4,7 @@ import threading
 _FIELDS = ("nodes", "launches", "batched_nodes", "flushes", "forced_flushes",
            "auto_flushes", "pipelined_flushes", "gather_ops", "filler_samples", "failures",
            "analysis_seconds", "execute_seconds", "release_seconds", "signatures",
-           "fast_activations", "fast_splits", "exact_prelu")
+           "fast_activations", "fast_splits", "exact_prelu", "copied_inputs")
 
 
 class Stats(object):

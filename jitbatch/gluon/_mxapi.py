@@ -24,7 +24,8 @@ from mxnet.base import (MXNetError, NDArrayHandle, OpHandle, SymbolHandle, _LIB,
                         c_str_array, check_call, mx_uint, py_str)
 from mxnet.contrib import autograd as contrib_autograd
 from mxnet.gluon.block import Block, HybridBlock
-from mxnet.gluon.rnn.rnn_cell import RecurrentCell
+from mxnet.gluon.rnn.rnn_cell import RecurrentCell, ZoneoutCell
+from mxnet.gluon.contrib.rnn import VariationalDropoutCell
 from mxnet.ndarray import CachedOp, NDArray
 from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register
@@ -42,6 +43,9 @@ hybrid_hybridize = HybridBlock.hybridize
 clear_cached_op = HybridBlock._clear_cached_op  # pylint: disable=protected-access
 get_graph = HybridBlock._get_graph  # pylint: disable=protected-access
 recurrent_forward = RecurrentCell.forward
+#: cells that keep Python state between step calls (the previous output, a mask
+#: drawn once per sequence): a traced graph freezes it (plain hybridize() too)
+STATEFUL_CELLS = (ZoneoutCell, VariationalDropoutCell)
 nd_stack = nd.stack
 nd_array = nd.array
 waitall = nd.waitall

@@ -8,6 +8,7 @@ argument its per-sample ``(shape, dtype)``), ``out_meta``, ``pad`` (zero-padded
 arguments: ``{argument: axis}`` or None), ``rounds`` (launch sizes may be
 rounded up: ``config.row_buckets``), ``stages`` (the input-stage plan:
 None until looked for, False where there is none) and ``launch(batch)``."""
+import threading
 import weakref
 
 import numpy as np
@@ -27,6 +28,13 @@ from .lazy import LazyArray, row_value
 #: its Parameter: merged launches read parameters when they run, so a write to
 #: one while calls are pending runs them first (record.before_write)
 PARAM_ARRAYS = {}
+
+
+#: MXNet's CachedOp is not safe to build or call from two threads at once (a
+#: second thread's call can find its graph's shapes half set: "Graph attr
+#: dependency shape is required by pass MXPlanMemory"); threads that flush
+#: their own graphs at once (DataLoader workers) take turns at it
+_CACHED_OPS = threading.RLock()
 
 
 def watch_params(block):
@@ -87,17 +95,18 @@ class BlockExec(object):
         block = self.block
         with self.ctx, _mxapi.mode_scope(self.mode):
             ins = gather.gather_batch(batch)
-            op = None if block._cached_op is None or block._callback else \
-                self._static_op(block, ins)  # pylint: disable=protected-access
-            if op is None:
-                it = iter(ins)
-                flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
-                out = block._call_cached_op(*_regroup(flat, self.fmt))  # pylint: disable=protected-access
-                outs, _ = _flatten(out, "output")
-            else:
-                out = op(*[ins[i] if is_arg else i.data()     # i: an index or a Parameter
-                            for is_arg, i in block._cached_op_args])  # pylint: disable=protected-access
-                outs = out if isinstance(out, list) else [out]
+            with _CACHED_OPS:
+                op = None if block._cached_op is None or block._callback else \
+                    self._static_op(block, ins)  # pylint: disable=protected-access
+                if op is None:
+                    it = iter(ins)
+                    flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
+                    out = block._call_cached_op(*_regroup(flat, self.fmt))  # pylint: disable=protected-access
+                    outs, _ = _flatten(out, "output")
+                else:
+                    out = op(*[ins[i] if is_arg else i.data()     # i: an index or a Parameter
+                                for is_arg, i in block._cached_op_args])  # pylint: disable=protected-access
+                    outs = out if isinstance(out, list) else [out]
         if not self.checked:
             watch_params(self.block)     # initialized by now, if deferred before
             for o, m in zip(outs, self.out_meta):
@@ -148,7 +157,9 @@ class BlockExec(object):
             for node in batch:
                 it = iter([row_value(x) if type(x) is LazyArray else x for x in node.inputs])
                 args = _regroup([None if f == -1 else next(it) for f in leaves], self.fmt)
-                outs, _ = _flatten(self.block._call_cached_op(*args), "output")  # pylint: disable=protected-access
+                with _CACHED_OPS:
+                    res = self.block._call_cached_op(*args)  # pylint: disable=protected-access
+                outs, _ = _flatten(res, "output")
                 finish([node], outs)
 
 

@@ -155,6 +155,8 @@ class LazyArray(NDArray, Ref):
 
     # -- lazy structure operations ---------------------------------------------------
     def __getitem__(self, key):
+        if self._value is not None:      # computed: MXNet's own indexing (views where it gives them)
+            return NDArray.__getitem__(self._value, key)
         view = row_view(self, key) if type(key) is slice or type(key) is int \
             else row_view(self, key) if isinstance(key, numbers.Integral) else None
         if view is not None:
@@ -396,7 +398,8 @@ def track(g, la):
 
 def track_view(out, src, shape):
     """``out`` (a recorded copy of lazy ``src``) is MXNet's view of it: its
-    detach (``shape`` None) or its reshape into ``shape``."""
+    detach (``shape`` None), its reshape into ``shape``, or its basic
+    indexing by ``shape.key`` (an ``_Index``)."""
     out._base = (src, shape)
     track(current_graph(), out)
 
@@ -409,6 +412,9 @@ def _as_view(la):
     v = src.value()
     if shape is None:
         v = NDArray.detach(v)
+    elif type(shape) is _Index:
+        with _mxapi.mode_scope(la._node.mode):
+            v = NDArray.__getitem__(v, shape.key)
     else:
         with _mxapi.mode_scope(la._node.mode):
             v = _mxapi.reshape(v, shape)
@@ -627,7 +633,19 @@ def _tuple_index(arr, key):
     if drop:
         new_shape = tuple(d for ax, d in enumerate(out.shape) if ax not in drop) or (1,)
         out = _nd.reshape(out, shape=new_shape)
+    if type(out) is LazyArray and value_of(arr) is None:
+        # recorded copies; MXNet's indexing may give a view: a write to either
+        # first makes it MXNet's indexing of the source's value
+        track_view(out, arr, _Index(key))
     return out
+
+
+class _Index(object):
+    """A basic-indexing key (ints and slices) a tracked view was taken with."""
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
 
 
 # -- composites (values made of other values' rows) ----------------------------------

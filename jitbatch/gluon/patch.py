@@ -398,6 +398,12 @@ def _make_hybridize(orig):
                 _tls.inside = False
         if outer:
             def setcfg(b):
+                if cfg is not None and isinstance(b, _mxapi.STATEFUL_CELLS):
+                    # run unhybridized, as per sample: their own operators are
+                    # recorded one by one (they merge), their cells flagged
+                    b._jb_cfg = None
+                    b._active = False
+                    return
                 b._jb_cfg = cfg
                 # hybridize(clear=False) on a block never cleared left it without
                 # a token: its calls' keys would name it by id() alone

@@ -31,7 +31,10 @@ hybridized graph where its output meets another operator (a quarter of the
 right one over four calls; plain ``hybridize()`` alike). Each such node
 becomes ``where(x > 0, x, x * gamma)`` over ``x`` viewed as (N, C, -1) and
 ``gamma`` as (1, C, 1), reshaped back like ``x``: the same values, bit for
-bit, and the gradients of per-sample Gluon."""
+bit, and the gradients of per-sample Gluon.
+
+``copied_inputs`` (always on: a correctness rewrite): an output that is one of
+the block's inputs becomes an ``identity`` of it (see the function)."""
 import json
 
 from mxnet import symbol as _sym
@@ -137,6 +140,25 @@ def exact_prelu(graph):
     return _insert_before(graph, _prelu_as_where)
 
 
+def copied_inputs(graph):
+    """Every output of the parsed ``graph`` that is one of its inputs (a block
+    returning its argument: ``contrib.nn.Identity``, an empty
+    ``HybridSequential``, ``DropoutCell(0)``) made an ``identity`` node of it,
+    in place; returns how many. MXNet's CachedOp hands such an output back with
+    no link in autograd's graph: every gradient before the block was lost."""
+    nodes, count = graph["nodes"], 0
+    for head in graph["heads"]:
+        if nodes[head[0]]["op"] != "null":
+            continue
+        nodes.append({"op": "_copy", "name": "%s_jbcopy%d" % (nodes[head[0]]["name"], count),
+                      "attrs": {}, "inputs": [[head[0], head[1], 0]]})
+        head[0], head[1] = len(nodes) - 1, 0
+        count += 1
+    if count:
+        graph.pop("node_row_ptr", None)   # derived: MXNet recomputes it
+    return count
+
+
 def rewrite(out):
     """``(symbol, counts)``: ``out`` with the rewrites ``config`` turns on
     applied; ``counts`` maps each rewrite's name to how many operators it
@@ -148,6 +170,7 @@ def rewrite(out):
     if _config.fast_splits:
         counts["fast_splits"] = fast_splits(graph)
     counts["exact_prelu"] = exact_prelu(graph)
+    counts["copied_inputs"] = copied_inputs(graph)
     if not any(counts.values()):
         return out, counts
     return _sym.load_json(json.dumps(graph)), counts

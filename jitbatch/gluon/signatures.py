@@ -318,10 +318,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         if '"op": "RNN"' in out.tojson():
             raise BatchingError(
                 "block %s holds a fused RNN layer (gluon.rnn.RNN/LSTM/GRU) and called with "
-                "inputs %s its shapes cannot be inferred at twice the rows: in layout TNC the "
-                "layer's batch axis is 1, while jitbatch merges samples along axis 0. Fix: "
-                "create the layer with layout='NTC' and give each sample a leading axis of 1 "
-                "((1, T, C)) and no explicit states, or loop its cell "
+                "inputs %s its shapes cannot be inferred at twice the rows: the layer's batch "
+                "axis is 1 in its states ((layers, N, H), as begin_state makes them) and in "
+                "time-major (TNC) data, while jitbatch merges samples along axis 0. Fix: create "
+                "the layer with layout='NTC', give each sample a leading axis of 1 ((1, T, C)) "
+                "and no explicit states (the layer makes zero states for the merged rows), or "
+                "loop its cell "
                 "(gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block without "
                 "dynamic_batch. (MXNet: %s)" % (block.name, shapes, _first_line(e)))
         params = list(block.collect_params().values())
