@@ -492,6 +492,19 @@ def _make_loss(f, states):
 RULES["make_loss"] = _make_loss
 
 
+def _ctc_loss(f, states):
+    # data (T, N, C): samples along axis 1; labels (N, L) and lengths (N,)
+    # along axis 0; one loss per sample (N,), each from its own rows alone
+    if states[0] != 1 or any(s != 0 for s in states[1:]):
+        raise Refuse("needs its data's samples along axis 1 (time-major) and its labels' "
+                      "and lengths' along axis 0")
+    return 0
+
+
+for _name in ("CTCLoss", "ctc_loss", "_contrib_CTCLoss", "_contrib_ctc_loss"):
+    RULES[_name] = _ctc_loss
+
+
 @_register("Dropout")
 def _dropout(f, states):
     a = states[0]
