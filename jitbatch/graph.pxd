@@ -14,7 +14,7 @@ cdef class Node:
 
 
 cdef class Composite:
-    cdef public object parts, build, mode, depth
+    cdef public object parts, mode, depth
     cdef public list nodes
 
 

@@ -60,18 +60,17 @@ class Node(object):
 class Composite(object):
     """The producer of a lazy value made only of other values' rows (a stack of
     per-sample rows, a concatenation along axis 0): no node, no launch of its
-    own. Consumers depend on, and gather from, its ``parts``; ``build`` makes
-    the value when it is read on its own. ``batch`` is never None: it is not
+    own. Consumers depend on, and gather from, its ``parts`` (read on its own,
+    its value is their rows concatenated). ``batch`` is never None: it is not
     pending itself. ``nodes``: the pending nodes behind its parts when it was
     made (through nested composites; consumers link to those still pending)."""
-    __slots__ = ("parts", "build", "mode", "depth", "nodes")
+    __slots__ = ("parts", "mode", "depth", "nodes")
     batch = ()
     error = None
     users = None
 
-    def __init__(self, parts, build, mode):
+    def __init__(self, parts, mode):
         self.parts = parts
-        self.build = build
         self.mode = mode
         d = 0
         nodes = []

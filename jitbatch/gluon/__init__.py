@@ -1,9 +1,10 @@
 """The MXNet Gluon backend of jitbatch: the only package that imports MXNet.
 
 Its modules form a one-way stack (each imports only those listed before it):
-``_mxapi`` (raw MXNet), ``layout``, ``lazy``, ``meta``, ``rules``, ``gather``,
-``executors``, ``flags``, ``signatures``, ``stages``, ``backend``, ``modes``,
-``sites``, ``record``, ``rewrite``, ``patch``. See docs/design.rst."""
+``_mxapi`` (raw MXNet), ``layout``, ``modes``, ``interleave``, ``lazy``,
+``aliases``, ``meta``, ``rules``, ``axis_rules``, ``contract``, ``gradients``,
+``gather``, ``executors``, ``flags``, ``signatures``, ``stages``, ``backend``,
+``sites``, ``fused``, ``record``, ``rewrite``, ``patch``. See docs/design.rst."""
 from .lazy import LazyArray
 from .patch import install, installed, uninstall
 

@@ -18,7 +18,7 @@ except ImportError:  # running from source without Cython installed
 
 import numpy as np
 from mxnet import autograd
-from mxnet.context import Context, current_context
+from mxnet.context import Context, cpu, current_context
 from mxnet import ndarray as nd
 from mxnet.base import (MXNetError, NDArrayHandle, OpHandle, SymbolHandle, _LIB, c_array, c_str,
                         c_str_array, check_call, mx_uint, py_str)
@@ -29,6 +29,7 @@ from mxnet.gluon.contrib.rnn import VariationalDropoutCell
 from mxnet.ndarray import CachedOp, NDArray
 from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register
+from mxnet.symbol import Symbol, var
 from mxnet.util import _NumpyArrayScope
 
 # -- originals, captured before jitbatch patches them ----------------------------------
@@ -84,7 +85,6 @@ def infer_by_symbol(handle, metas, keys, vals):
     """Per-sample output (shape, dtype) list of operator ``handle`` on inputs
     of ``metas`` ((shape, dtype) pairs) by MXNet's symbolic inference, without
     running it; None where that infers nothing."""
-    from mxnet.symbol import Symbol, var   # (symbol imports this package's ndarray)
     sym_handle = SymbolHandle()
     check_call(_LIB.MXSymbolCreateAtomicSymbol(
         ctypes.c_void_p(handle), mx_uint(len(keys)), c_str_array(list(keys)),
@@ -156,6 +156,23 @@ def zeros(shape, ctx, dtype, fill="_zeros"):
     at once."""
     return invoke(op_handle(fill), [], ["shape", "ctx", "dtype"],
                   [tuple(shape), ctx, np.dtype(dtype).name], None, False, False)
+
+
+_CPU = cpu()
+_RESOLVED = {}   # (shape, target with MXNet's special codes, reverse) -> plain target
+
+
+def resolved_shape(have, shape, reverse):
+    """``shape`` with MXNet's special codes (0, -2, -3, -4; ``reverse``)
+    resolved for an array of shape ``have``, by ``NDArray.reshape`` itself on
+    a stand-in array: where the sizes differ it raises plain Gluon's error
+    (MXNet's ``Reshape`` operator, which records the call, checks nothing)."""
+    key = (tuple(have), tuple(shape), reverse)
+    out = _RESOLVED.get(key)
+    if out is None:
+        stand_in = zeros(tuple(have), _CPU, "float32")
+        out = _RESOLVED[key] = NDArray.reshape(stand_in, tuple(shape), reverse=reverse).shape
+    return out
 
 
 #: dtypes MXNet's ``nd.from_numpy`` wraps without a copy (DLPack)

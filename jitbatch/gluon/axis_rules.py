@@ -128,28 +128,15 @@ def random_sources(names):
         RANDOM.add(name)
 
 
-def random_like(names):
-    """Operators that draw one random number per element of their input: per
-    sample where the input is, shared where it is not."""
-    def rule(f, states):
-        if not _data(states):
-            raise Refuse("draws random numbers for a sample-independent input: merged "
-                          "samples would share the draw")
-        return states[0]
-    for name in names.split():
-        RULES[name] = rule
-        RANDOM.add(name)
-
-
-def samplers(names, per_row=False):
-    """Operators that draw independently per element of their parameter
-    inputs (``sample_normal(mu, sigma)``; ``per_row``: per row of the last
-    axis, ``sample_multinomial(probs)``): per sample where every input is,
-    along one axis."""
+def random_like(names, per_row=False):
+    """Operators that draw independently per element of their inputs
+    (``normal_like(x)``, ``sample_normal(mu, sigma)``; ``per_row``: per row of
+    the last axis, ``sample_multinomial(probs)``): per sample where every
+    input is, along one axis; shared where one is not."""
     def rule(f, states):
         if any(s is CONST for s in states) or len(set(states)) != 1:
-            raise Refuse("draws for parameters that are not all per sample along one axis: "
-                          "merged samples would share or mix the draws")
+            raise Refuse("draws random numbers for inputs that are not all per sample along "
+                          "one axis: merged samples would share or mix the draws")
         a = states[0]
         if per_row and a == len(f.ins[0]) - 1:
             raise Refuse("draws along the axis along which merged samples lie")
@@ -165,9 +152,10 @@ def constant_sources(names):
         RULES[name] = lambda f, states: CONST
 
 
-def _register(name):
+def _register(*names):
     def deco(fn):
-        RULES[name] = fn
+        for name in names:
+            RULES[name] = fn
         return fn
     return deco
 
@@ -472,7 +460,7 @@ def _batch_norm(f, states):
     return a
 
 
-@_register("MakeLoss")
+@_register("MakeLoss", "make_loss")
 def _make_loss(f, states):
     # the identity forward; its gradient is divided by the launch's rows
     # ('batch') or its count of valid entries ('valid'), which merging changes
@@ -489,9 +477,7 @@ def _make_loss(f, states):
     return states[0]
 
 
-RULES["make_loss"] = _make_loss
-
-
+@_register("CTCLoss", "ctc_loss", "_contrib_CTCLoss", "_contrib_ctc_loss")
 def _ctc_loss(f, states):
     # data (T, N, C): samples along axis 1; labels (N, L) and lengths (N,)
     # along axis 0; one loss per sample (N,), each from its own rows alone
@@ -499,10 +485,6 @@ def _ctc_loss(f, states):
         raise Refuse("needs its data's samples along axis 1 (time-major) and its labels' "
                       "and lengths' along axis 0")
     return 0
-
-
-for _name in ("CTCLoss", "ctc_loss", "_contrib_CTCLoss", "_contrib_ctc_loss"):
-    RULES[_name] = _ctc_loss
 
 
 @_register("Dropout")
@@ -600,13 +582,11 @@ _random_uniform _random_normal _random_gamma _random_exponential _random_poisson
 _random_negative_binomial _random_generalized_negative_binomial _random_randint _shuffle
 _sample_unique_zipfian
 """)
-samplers("""
-_sample_uniform _sample_normal _sample_gamma _sample_exponential _sample_poisson
-_sample_negative_binomial _sample_generalized_negative_binomial
-""")
-samplers("_sample_multinomial", per_row=True)
 random_like("""
 _random_uniform_like _random_normal_like _random_gamma_like _random_exponential_like
 _random_poisson_like _random_negative_binomial_like _random_generalized_negative_binomial_like
+_sample_uniform _sample_normal _sample_gamma _sample_exponential _sample_poisson
+_sample_negative_binomial _sample_generalized_negative_binomial
 """)
+random_like("_sample_multinomial", per_row=True)
 constant_sources("_zeros _ones _full _arange _eye _linspace _zeros_without_dtype")

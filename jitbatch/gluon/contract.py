@@ -145,3 +145,41 @@ def internal_shapes(out, nodes, names, shapes):
         two[j] = [tuple(result[1][p]) if p is not None and result[1][p] is not None else ()
                   for p in pos]
     return one, two
+
+
+#: elementwise operators of two arrays (what NDArray's ``+ - * /`` become in a
+#: traced graph) -> (the Python operator, the broadcasting operator to write)
+ELEMWISE = {"_plus": ("+", "broadcast_add"), "elemwise_add": ("+", "broadcast_add"),
+            "_add": ("+", "broadcast_add"), "_minus": ("-", "broadcast_sub"),
+            "elemwise_sub": ("-", "broadcast_sub"), "_sub": ("-", "broadcast_sub"),
+            "_mul": ("*", "broadcast_mul"), "elemwise_mul": ("*", "broadcast_mul"),
+            "_div": ("/", "broadcast_div"), "elemwise_div": ("/", "broadcast_div")}
+
+
+def unbroadcast_op(out, message):
+    """(node name, Python operator, broadcasting operator) where MXNet's shape
+    inference of traced graph ``out`` failed at an elementwise operator of two
+    arrays (``Error in operator NAME:``), else None."""
+    at = message.find("Error in operator ")
+    if at < 0:
+        return None
+    name = message[at + len("Error in operator "):].split(":", 1)[0].strip()
+    for node in json.loads(out.tojson())["nodes"]:
+        if node["name"] == name and node["op"] in ELEMWISE:
+            return (name,) + ELEMWISE[node["op"]]
+    return None
+
+
+#: operators holding a subgraph, through which MXNet infers no shapes
+CONTROL_FLOW = ("_cond", "_while_loop", "_foreach")
+
+
+def control_flow(out):
+    """The ``Mix`` of the first control-flow operator of a traced symbol
+    ``out``, or None."""
+    for node in json.loads(out.tojson())["nodes"]:
+        if node["op"] in CONTROL_FLOW:
+            return Mix(node["op"], node["name"],
+                       "runs a subgraph whose predicate or loop is one per launch "
+                       "(merged samples would share it)")
+    return None

@@ -89,7 +89,6 @@ from jitbatch.gluon.modes cimport mode
 
 cpdef new_lazy(node, k, shape, dtype, ctx, view=*)
 cpdef track(g, la)
-cpdef unrecorded_parts(parts)
 cpdef row_view(arr, key)
 cpdef _view(arr, r0, rc, squeeze, new_shape)
 cpdef parts_of(v, list out)

@@ -18,7 +18,6 @@ import numpy as np
 from mxnet import autograd
 from mxnet import ndarray as _nd
 from mxnet.base import MXNetError
-from mxnet.context import cpu
 from mxnet.ndarray import NDArray
 
 from .. import execute
@@ -64,8 +63,8 @@ class LazyArray(NDArray, Ref):
         self._ctx = ctx
         self._view = view
         self._value = None
-        self._base = None    # (array, None or shape): computed, this is MXNet's detach /
-                             # reshape view of that array's value (see track_view)
+        self._base = None    # (array, how): computed, this is MXNet's detach, reshape or
+                             # index of that array's value (see track_view)
         self.writable = True
 
     def __del__(self):
@@ -243,7 +242,7 @@ class LazyArray(NDArray, Ref):
             shape = tuple(kwargs.pop("shape"))
         if not all(type(d) is int and (d > 0 or d == -1) for d in shape) or \
                 kwargs.get("reverse"):
-            shape = resolved_shape(self._shape, shape, bool(kwargs.pop("reverse", False)))
+            shape = _mxapi.resolved_shape(self._shape, shape, bool(kwargs.pop("reverse", False)))
         _check_size(self._shape, shape)
         node = self._node
         if self._value is not None or node is DETACHED or \
@@ -272,23 +271,6 @@ class LazyArray(NDArray, Ref):
 
 if cython.compiled:
     jb_lazy_type(LazyArray)  # noqa: F821 (compiled only: lazy.pxd's maker learns the slots)
-
-
-_CPU = cpu()
-_RESOLVED = {}   # (shape, target with MXNet's special codes, reverse) -> plain target
-
-
-def resolved_shape(have, shape, reverse):
-    """``shape`` with MXNet's special codes (0, -2, -3, -4; ``reverse``)
-    resolved for an array of shape ``have``, by ``NDArray.reshape`` itself on
-    a stand-in array: where the sizes differ it raises plain Gluon's error
-    (MXNet's ``Reshape`` operator, which records the call, checks nothing)."""
-    key = (tuple(have), tuple(shape), reverse)
-    out = _RESOLVED.get(key)
-    if out is None:
-        stand_in = _mxapi.zeros(tuple(have), _CPU, "float32")
-        out = _RESOLVED[key] = NDArray.reshape(stand_in, tuple(shape), reverse=reverse).shape
-    return out
 
 
 def _check_size(have, shape):
@@ -375,7 +357,7 @@ def detach(arr):
 # pending lazy array is a recorded operator (a copy, so that it merges) where
 # MXNet's is a view. Either is exact only while nothing it reads is written in
 # place: the thread's graph keeps weak references to them (``Graph.aliased``),
-# and a write (``before_aliased_write``) first computes those that read the
+# and a write (``aliases.before_aliased_write``) first computes those that read the
 # written memory: a composite becomes the copy MXNet's concat/stack made, a
 # reshape or detach becomes MXNet's view of its source's value.
 def track(g, la):
@@ -405,141 +387,22 @@ def track_view(out, src, shape):
 
 
 def _as_view(la):
-    """Compute view ``la`` as MXNet's detach or reshape of its source's value
-    (the value its recorded operator computed is a copy: after a write to
-    either, they would differ)."""
+    """Compute view ``la`` as MXNet's detach, reshape or index of its source's
+    value (the value its recorded operator computed is a copy: after a write
+    to either, they would differ)."""
     src, shape = la._base
     v = src.value()
     if shape is None:
         v = NDArray.detach(v)
-    elif type(shape) is _Index:
-        with _mxapi.mode_scope(la._node.mode):
-            v = NDArray.__getitem__(v, shape.key)
     else:
         with _mxapi.mode_scope(la._node.mode):
-            v = _mxapi.reshape(v, shape)
+            v = NDArray.__getitem__(v, shape.key) if type(shape) is _Index else \
+                _mxapi.reshape(v, shape)
     la._value = v
     la._node = DETACHED
     la._view = None
     la._base = None
     return v
-
-
-def before_aliased_write(target):
-    """An in-place write to ``target`` (concrete or lazy) is about to run: the
-    tracked lazy arrays that read its memory when computed (a composite
-    holding it, a view of it, through views: same object or overlapping
-    memory) are computed first, as MXNet computed them when they were made."""
-    g: Graph = current_graph()
-    if not g.aliased or g.executing:
-        return
-    mem = target.value() if type(target) is LazyArray else target
-    span = _mxapi.memory_span(mem) if isinstance(mem, NDArray) else None
-    if span is not None and span[0] == span[1]:
-        span = None
-    spans = {}
-    keep = []
-    hits = []
-    for r in g.aliased:
-        la = r()
-        if la is None or value_of(la) is not None:
-            continue
-        node = node_of(la)
-        hit = False
-        if type(node) is Composite:
-            for p in node.parts:
-                if _reads(p, target, span, spans):
-                    hit = True
-                    break
-        elif la._base is not None:
-            hit = _reads(la._base[0], target, span, spans)
-        if hit:
-            hits.append(la)
-        else:
-            keep.append(r)
-    g.aliased = keep
-    for la in hits:
-        try:
-            la.value()
-        except StaleValueError:
-            pass    # made of rows of a failed graph: it fails when read, as before
-
-
-def _reads(p, target, span, spans):
-    """Whether computing a value that reads ``p`` reads ``target``'s memory."""
-    while True:
-        if p is target:
-            return True
-        if type(p) is LazyArray:
-            m = value_of(p)
-            if m is None:
-                base = p._base
-                if base is not None:     # a view: it will read its source
-                    p = base[0]
-                    continue
-                node = node_of(p)
-                if type(node) is not Node or node.batch is None:
-                    return False         # pending: no memory yet, or a composite (tracked)
-                m = node.batch[k_of(p)]  # a launch's output: its rows are read
-        else:
-            m = p
-        if span is None:
-            return False
-        key = id(m)
-        mine = spans.get(key)
-        if mine is None:
-            mine = spans[key] = (_mxapi.memory_span(m) or (0, 0), m)
-        lo, hi = mine[0]
-        return lo < span[1] and span[0] < hi
-
-
-def unrecorded_parts(parts):
-    """The parts of a composite made while autograd is not recording: per
-    sample its concat/stack is an array outside autograd's graph, so no
-    gradient may reach a part through it. None where a part is a lazy array
-    recorded under autograd (the caller records the operator instead, which
-    runs outside autograd); concrete parts and computed lazy ones are taken
-    as MXNet's detach of their values (the same memory)."""
-    out = None
-    i = 0
-    for p in parts:
-        if type(p) is LazyArray:
-            node = node_of(p)
-            if node is not DETACHED:
-                if type(node) is Node:
-                    n: Node = node
-                    if n.mode[0]:
-                        return None
-                elif type(node) is Composite:
-                    c: Composite = node
-                    if c.mode[0]:
-                        return None
-                i += 1
-                continue
-            v = p.value()
-        else:
-            v = p
-        if out is None:
-            out = list(parts)
-        out[i] = _detached(v)
-        i += 1
-    return parts if out is None else tuple(out)
-
-
-_DETACHED = {}   # id(array) -> (array, its detach): one per array, so gathers share it
-
-
-def _detached(v):
-    """MXNet's detach of concrete ``v``, the same object for the same array
-    (composites of a shared part, a zero state, gather it as one source)."""
-    hit = _DETACHED.get(id(v))
-    if hit is not None and hit[0] is v:
-        return hit[1]
-    if len(_DETACHED) >= 4096:
-        _DETACHED.clear()
-    d = NDArray.detach(v)
-    _DETACHED[id(v)] = (v, d)
-    return d
 
 
 # -- views -----------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
         return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
     kind = ROWS_OPS.get(handle)
     if kind is not None and not output_is_list:
-        res = rows_composite(kind, handle, ndargs, keys, vals)
+        res = rows_composite(kind, ndargs, keys, vals)
         if res is not None:
             return res
     return record_op(g, handle, ndargs, keys, vals, output_is_list)
@@ -217,9 +217,7 @@ def _make_grad(orig):
 def _waitall():
     """``nd.waitall``: what is pending in this thread's graph runs first, so a
     timing around it includes the work."""
-    g = current_graph()
-    if g.nodes and not g.executing:
-        execute.run_graph(g, reason="waitall")
+    _run_pending("waitall")
     return _mxapi.waitall()
 
 
@@ -230,9 +228,7 @@ def _make_seed(orig):
     Dropout mask, as in plain Gluon)."""
     @wraps(orig)
     def seed(*args, **kwargs):
-        g = current_graph()
-        if g.nodes and not g.executing:
-            execute.run_graph(g, reason="seed")
+        _run_pending("seed")
         return orig(*args, **kwargs)
     return seed
 
@@ -440,7 +436,6 @@ def _get_graph(self, *args):
                 STATS.add(**counts)
                 res = self._cached_graph  # pylint: disable=protected-access
     return res
-
 
 
 # -- install / uninstall --------------------------------------------------------------

@@ -15,4 +15,4 @@ cpdef _one_level(tuple allargs)
 cpdef _outputs(list outs, ofmt)
 cpdef record_block(block, Graph g, x, tuple args, frame)
 cpdef record_op(g, handle, ndargs, keys, vals, output_is_list)
-cdef dict _FLAT, _FLAT_IN, _STACK_BUILD, EXACT
+cdef dict _FLAT, _FLAT_IN, EXACT

@@ -30,9 +30,10 @@ from ..errors import BatchingError
 from ..graph import Composite, Graph, Node, current_graph
 from ..signature import SigInfo
 from . import _mxapi
+from .aliases import before_aliased_write
 from .backend import BACKEND
 from .executors import is_param
-from .lazy import LazyArray, before_aliased_write, new_lazy, track, unrecorded_parts
+from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
 from .meta import device, meta
 from .modes import mode
 from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
@@ -86,7 +87,7 @@ def before_write(target):
     it was called with, as per-sample code does (inside ``autograd.record``
     MXNet then refuses the write, as it refuses it per sample). Composites and
     views that read its memory when computed are computed first
-    (``lazy.before_aliased_write``)."""
+    (``aliases.before_aliased_write``)."""
     g: Graph = current_graph()
     param = is_param(target)
     if param:
@@ -434,8 +435,6 @@ def _filled_values(fill, keys, vals):
 
 # -- composites: stacks of rows, concatenations along axis 0 --------------------------
 ROWS_OPS = {}   # op handle -> 'stack' | 'concat': operators that can be composites
-_STACK_KEYS = ("axis", "num_args")
-_STACK_BUILD = {}   # n -> how a composite of n rows stacked along axis 1 is built
 
 
 def _rows_ops():
@@ -445,17 +444,9 @@ def _rows_ops():
 
 
 _rows_ops()
-_STACK_OP = _mxapi.op_handle("stack")
 
 
-def _stack_build(n):
-    b = _STACK_BUILD.get(n)
-    if b is None:
-        b = _STACK_BUILD[n] = (_STACK_OP, _STACK_KEYS, ("1", str(n)))
-    return b
-
-
-def rows_composite(kind, handle, ndargs, keys, vals):
+def rows_composite(kind, ndargs, keys, vals):
     """A stack along axis 1 of per-sample (1, ...) arrays, or a concat along
     axis 0, is only its inputs' rows side by side: a Composite, no node. Its
     consumers gather those rows directly (one take instead of a launch).
@@ -489,16 +480,70 @@ def rows_composite(kind, handle, ndargs, keys, vals):
         if dim != 0 or any(m[0][1:] != rest for m in mc):
             return None
         shape = (sum(m[0][0] for m in mc),) + rest
-    g = current_graph()
+    return _composite(current_graph(), tuple(ndargs), shape, d0, c0)
+
+
+def _composite(g, parts, shape, dtype, ctx):
+    """A lazy array of ``shape`` made of ``parts``' rows side by side, tracked
+    for writes to what it reads (``aliases``); None where it is made outside
+    autograd of rows recorded under it (the caller records the operator)."""
     mode_ = mode(g)
-    parts = tuple(ndargs)
     if not mode_[0]:
         parts = unrecorded_parts(parts)
-        if parts is None:     # under autograd.pause, of rows recorded under autograd
+        if parts is None:
             return None
-    out = new_lazy(Composite(parts, (handle, keys, vals), mode_), 0, shape, d0, c0, None)
+    out = new_lazy(Composite(parts, mode_), 0, shape, dtype, ctx, None)
     track(g, out)
     return out
+
+
+def unrecorded_parts(parts):
+    """The parts of a composite made while autograd is not recording: per
+    sample its concat/stack is an array outside autograd's graph, so no
+    gradient may reach a part through it. None where a part is a lazy array
+    recorded under autograd (the caller records the operator instead, which
+    runs outside autograd); concrete parts and computed lazy ones are taken
+    as MXNet's detach of their values (the same memory)."""
+    out = None
+    i = 0
+    for p in parts:
+        if type(p) is LazyArray:
+            node = node_of(p)
+            if node is not DETACHED:
+                if type(node) is Node:
+                    n: Node = node
+                    if n.mode[0]:
+                        return None
+                elif type(node) is Composite:
+                    c: Composite = node
+                    if c.mode[0]:
+                        return None
+                i += 1
+                continue
+            v = p.value()
+        else:
+            v = p
+        if out is None:
+            out = list(parts)
+        out[i] = _detached(v)
+        i += 1
+    return parts if out is None else tuple(out)
+
+
+_DETACHED = {}   # id(array) -> (array, its detach): one per array, so gathers share it
+
+
+def _detached(v):
+    """MXNet's detach of concrete ``v``, the same object for the same array
+    (composites of a shared part, a zero state, gather it as one source)."""
+    hit = _DETACHED.get(id(v))
+    if hit is not None and hit[0] is v:
+        return hit[1]
+    if len(_DETACHED) >= 4096:
+        _DETACHED.clear()
+    d = NDArray.detach(v)
+    _DETACHED[id(v)] = (v, d)
+    return d
 
 
 def stack(data, kwargs):
@@ -523,17 +568,7 @@ def stack(data, kwargs):
                 else:
                     g: Graph = current_graph()
                     if not g.executing:
-                        n = len(data)
-                        mode_ = mode(g)
-                        parts = data
-                        if not mode_[0]:
-                            parts = unrecorded_parts(data)
-                            if parts is None:  # paused: MXNet's stack records the operator
-                                return None
-                        out = new_lazy(Composite(parts, _stack_build(n), mode_), 0,
-                                       (1, n) + s0[1:], d0, c0, None)
-                        track(g, out)
-                        return out
+                        return _composite(g, tuple(data), (1, len(data)) + s0[1:], d0, c0)
     if data and (not kwargs or kwargs.keys() <= {"axis"}):
         for a in data:
             if type(a) is LazyArray:
@@ -541,6 +576,5 @@ def stack(data, kwargs):
                         not all(type(b) is LazyArray or type(b) is NDArray for b in data):
                     break
                 axis = kwargs.get("axis", 0)
-                return rows_composite("stack", _STACK_OP, data, _STACK_KEYS,
-                                      (str(axis), str(len(data))))
+                return rows_composite("stack", data, ("axis",), (str(axis),))
     return None

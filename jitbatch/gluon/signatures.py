@@ -34,7 +34,7 @@ from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_outputs,
                         watch_params)
 from .flags import pad_names
-from .lazy import LazyArray, NotDifferentiableError, resolved_shape
+from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients
 from .rules import parse_attr, rule_for
@@ -176,8 +176,9 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
             # the heap (its trial run below too); refused as NDArray.reshape does
             attrs = dict(zip(keys, vals))
             target = parse_attr(str(attrs["shape"]))
-            resolved_shape(shapes[0][0], (target,) if isinstance(target, int) else tuple(target),
-                           parse_attr(str(attrs.get("reverse", "False"))) is True)
+            _mxapi.resolved_shape(shapes[0][0],
+                                  (target,) if isinstance(target, int) else tuple(target),
+                                  parse_attr(str(attrs.get("reverse", "False"))) is True)
         wrong = gradients.WRONG_GRADIENT.get(name)
         if wrong is not None and mode[0]:
             raise NotDifferentiableError("operator %s, recorded by autograd: MXNet 1.9.1's "
@@ -339,7 +340,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                    np.dtype(dtypes[0]).name)) from e
         head = "block %s: output shapes cannot be inferred from inputs %s (%s): %s." % (
             block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), _first_line(e))
-        broadcast = _unbroadcast_op(out, str(e))
+        broadcast = contract.unbroadcast_op(out, str(e))
         if broadcast is not None:
             raise BatchingError(
                 "%s Its operator %s combines arrays of different shapes: NDArray's %s "
@@ -355,7 +356,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             % (head, ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
                                for p in params) or "none")) from e
     if doubled is None and any(not a or 0 in a for a in o1):
-        flow = _control_flow(out)
+        flow = contract.control_flow(out)
         if flow is not None and mode[0] and flow.op in ("_cond", "_while_loop"):
             raise BatchingError(
                 "block %s holds %s (graph node %s), recorded by autograd: MXNet 1.9.1's "
@@ -445,33 +446,10 @@ def _param_dtypes(block, out, known):
     return known
 
 
-#: elementwise operators of two arrays (what NDArray's ``+ - * /`` become in a
-#: traced graph) -> (the Python operator, the broadcasting operator to write)
-_ELEMWISE = {"_plus": ("+", "broadcast_add"), "elemwise_add": ("+", "broadcast_add"),
-             "_add": ("+", "broadcast_add"), "_minus": ("-", "broadcast_sub"),
-             "elemwise_sub": ("-", "broadcast_sub"), "_sub": ("-", "broadcast_sub"),
-             "_mul": ("*", "broadcast_mul"), "elemwise_mul": ("*", "broadcast_mul"),
-             "_div": ("/", "broadcast_div"), "elemwise_div": ("/", "broadcast_div")}
-
-
 class InputShapeError(BatchingError, MXNetError):
     """A block called with inputs its graph cannot take (shapes, dtypes): an
     ``MXNetError`` too, as per sample MXNet raises one there (a loop that skips
     malformed samples with ``except MXNetError`` goes on)."""
-
-
-def _unbroadcast_op(out, message):
-    """(node name, Python operator, broadcasting operator) where MXNet's shape
-    inference of traced graph ``out`` failed at an elementwise operator of two
-    arrays (``Error in operator NAME:``), else None."""
-    at = message.find("Error in operator ")
-    if at < 0:
-        return None
-    name = message[at + len("Error in operator "):].split(":", 1)[0].strip()
-    for node in json.loads(out.tojson())["nodes"]:
-        if node["name"] == name and node["op"] in _ELEMWISE:
-            return (name,) + _ELEMWISE[node["op"]]
-    return None
 
 
 def _first_line(error):
@@ -492,21 +470,6 @@ def _unknown_shape_op(out, names, shapes):
             return " (its operator %s, graph node %s, gives no shape)" % (node["op"],
                                                                         node["name"])
     return ""
-
-
-#: operators holding a subgraph, through which MXNet infers no shapes
-CONTROL_FLOW = ("_cond", "_while_loop", "_foreach")
-
-
-def _control_flow(out):
-    """The ``Mix`` of the first control-flow operator of a traced symbol
-    ``out``, or None."""
-    for node in json.loads(out.tojson())["nodes"]:
-        if node["op"] in CONTROL_FLOW:
-            return contract.Mix(node["op"], node["name"],
-                                "runs a subgraph whose predicate or loop is one per launch "
-                                "(merged samples would share it)")
-    return None
 
 
 def _shapes_by_running(block, args, mode):
