@@ -109,3 +109,41 @@ def run_in_subprocess(code):
     res = subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True,
                          timeout=120, env=env)
     return res.returncode, res.stdout, res.stderr
+
+
+_DENSE_BEHIND_A_STOP = """
+import numpy as np, mxnet as mx
+from mxnet import autograd, nd
+from mxnet.gluon import nn
+import jitbatch
+a, d = nn.Dense(4, in_units=4), nn.Dense(4, in_units=4)
+for b in (a, d):
+    b.initialize(mx.init.Uniform(0.5))
+xs = [nd.array(np.random.default_rng(i).normal(size=(2, 4))) for i in range(3)]
+def stop(v, flag):
+    return (%s) if flag else v.detach()
+def go(flag):
+    for b in (a, d):
+        b.hybridize(dynamic_batch=True, policy="agenda") if flag else b.hybridize(active=False)
+        for p in b.collect_params().values():
+            p.zero_grad()
+    with autograd.record():
+        ys = [nd.concat(d(x[0:1]), stop(a(x[0:1]) + x[1:2], flag) * x[1:2], dim=1) for x in xs]
+        loss = nd.add_n(*[nd.sum(y * y) for y in ys])
+    loss.backward()
+    return [y.asnumpy() for y in ys] + [p.grad().asnumpy().copy()
+                                        for b in (a, d) for p in b.collect_params().values()]
+for i, (w, g) in enumerate(zip(go(False), go(True))):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=str(i))
+print("same")
+"""
+
+
+def dense_behind_a_stop(flagged_stop):
+    """A program (for ``run_in_subprocess``) in which a recorded Dense reaches
+    the loss only through a stop-gradient beside another Dense's output; per
+    sample the stop is ``.detach()``, flagged it is ``flagged_stop`` (an
+    expression of ``v``); it prints "same" where the two runs agree (outputs
+    and gradients)."""
+    return _DENSE_BEHIND_A_STOP % flagged_stop
+

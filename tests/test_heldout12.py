@@ -51,7 +51,7 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn, rnn
 
 import jitbatch
-from heldout import merged, nothing_pending, run_in_subprocess  # noqa: F401
+from heldout import dense_behind_a_stop, merged, nothing_pending, run_in_subprocess  # noqa: F401
 from oracle import cleanup
 
 EXAMPLES = int(os.environ.get("JITBATCH_FUZZ_EXAMPLES", "40"))
@@ -520,39 +520,11 @@ def test_per_sample_array_made_before_the_first_call_merges_under_depth():
     assert _ones_first("depth") <= _ones_first("agenda")
 
 
-BLOCKGRAD = """
-import numpy as np, mxnet as mx
-from mxnet import autograd, nd
-from mxnet.gluon import nn
-import jitbatch
-a, d = nn.Dense(4, in_units=4), nn.Dense(4, in_units=4)
-for b in (a, d):
-    b.initialize(mx.init.Uniform(0.5))
-xs = [nd.array(np.random.default_rng(i).normal(size=(2, 4))) for i in range(3)]
-def go(flag):
-    for b in (a, d):
-        b.hybridize(dynamic_batch=True, policy="agenda") if flag else b.hybridize(active=False)
-        for p in b.collect_params().values():
-            p.zero_grad()
-    with autograd.record():
-        # per sample: detach() (MXNet runs it); flagged: BlockGrad (MXNet segfaults)
-        ys = [nd.concat(d(x[0:1]), (nd.BlockGrad(a(x[0:1]) + x[1:2]) if flag else
-                                    (a(x[0:1]) + x[1:2]).detach()) * x[1:2], dim=1) for x in xs]
-        loss = nd.add_n(*[nd.sum(y * y) for y in ys])
-    loss.backward()
-    return [y.asnumpy() for y in ys] + [p.grad().asnumpy().copy()
-                                        for b in (a, d) for p in b.collect_params().values()]
-for i, (w, g) in enumerate(zip(go(False), go(True))):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=str(i))
-print("same")
-"""
-
-
 def test_a_dense_reaching_the_loss_only_through_blockgrad():
     """Found by the fuzzer: MXNet 1.9.1 itself segfaults in backward() when a
     recorded Dense reaches the loss only through ``nd.BlockGrad`` next to
     another Dense's output (``BlockGrad(dense(x0) + x1) * x1``), per sample and
     with plain ``hybridize()``: MXNet's bug, not jitbatch's. Flagged, the program
     runs and gives per-sample Gluon's numbers with ``.detach()`` in its place."""
-    rc, out, err = run_in_subprocess(BLOCKGRAD)
+    rc, out, err = run_in_subprocess(dense_behind_a_stop("nd.BlockGrad(v)"))
     assert rc == 0 and "same" in out, (rc, out, err[-2000:])

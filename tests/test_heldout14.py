@@ -660,15 +660,11 @@ def test_make_loss_in_a_block_over_a_launch_padded_with_filler_samples():
     same_arrays(want, got, "gradient")
 
 
-def test_make_loss_with_every_loss_used_and_exact_launch_sizes():
+def test_make_loss_with_every_loss_used_and_exact_launch_sizes(monkeypatch):
     """The control: 33 samples, every loss used, no filler (row_buckets 0)."""
-    old = jitbatch.config.row_buckets
-    jitbatch.config.row_buckets = 0
-    try:
-        want, got, st = both(seeded(LossBlock), _make_loss_program(33, list(range(33)), True),
-                             "depth")
-    finally:
-        jitbatch.config.row_buckets = old
+    monkeypatch.setattr(jitbatch.config, "row_buckets", 0)
+    want, got, st = both(seeded(LossBlock), _make_loss_program(33, list(range(33)), True),
+                         "depth")
     assert st["filler_samples"] == 0 and merged(st), st
     same_arrays(want, got, "gradient")
 

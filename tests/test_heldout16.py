@@ -222,17 +222,13 @@ def test_filler_copies_of_an_infinite_first_sample(policy):
 
 
 @POLICY
-def test_an_infinite_first_sample_without_filler_samples_keeps_inf(policy):
+def test_an_infinite_first_sample_without_filler_samples_keeps_inf(policy, monkeypatch):
     """The same program with launches of exact sizes: inf stays inf."""
-    old = jitbatch.config.row_buckets
-    jitbatch.config.row_buckets = 0
-    try:
-        xs = rows(2, 33)
-        xs[0] = nd.array([[np.inf, 1, 2, 3]])
-        (wo, wg, wx), _ = run_rows(dense(), None, xs, head=nd.sum)
-        (go, gg, gx), st = run_rows(dense(), policy, xs, head=nd.sum)
-    finally:
-        jitbatch.config.row_buckets = old
+    monkeypatch.setattr(jitbatch.config, "row_buckets", 0)
+    xs = rows(2, 33)
+    xs[0] = nd.array([[np.inf, 1, 2, 3]])
+    (wo, wg, wx), _ = run_rows(dense(), None, xs, head=nd.sum)
+    (go, gg, gx), st = run_rows(dense(), policy, xs, head=nd.sum)
     assert st["filler_samples"] == 0
     if policy != "sequential":
         assert st["launches"] < st["nodes"]
@@ -462,17 +458,13 @@ def test_an_overflowing_sample_leaves_the_other_samples_alone(policy, dtype, big
 
 
 @POLICY
-def test_a_nan_first_sample_with_filler_samples(policy):
+def test_a_nan_first_sample_with_filler_samples(policy, monkeypatch):
     """Fillers copy the first sample: NaN in it gives NaN gradients, as plain."""
-    old = jitbatch.config.row_buckets
-    jitbatch.config.row_buckets = 1
-    try:
-        xs = rows(6, 9)
-        xs[0] = nd.array([[np.nan, 1, 2, 3]])
-        (wo, wg, wx), _ = run_rows(dense(), None, xs, head=nd.sum)
-        (go, gg, gx), st = run_rows(dense(), policy, xs, head=nd.sum)
-    finally:
-        jitbatch.config.row_buckets = old
+    monkeypatch.setattr(jitbatch.config, "row_buckets", 1)
+    xs = rows(6, 9)
+    xs[0] = nd.array([[np.nan, 1, 2, 3]])
+    (wo, wg, wx), _ = run_rows(dense(), None, xs, head=nd.sum)
+    (go, gg, gx), st = run_rows(dense(), policy, xs, head=nd.sum)
     if policy != "sequential":
         assert st["filler_samples"] == 7          # 9 rounded up to 16
     close_nan(wo, go, "outputs")

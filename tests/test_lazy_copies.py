@@ -13,7 +13,8 @@ from mxnet.gluon import nn
 
 import jitbatch
 from harness import assert_same, run
-from heldout import initialized, nothing_pending, rng_for, run_in_subprocess  # noqa: F401
+from heldout import (dense_behind_a_stop, initialized, nothing_pending, rng_for,  # noqa: F401
+                     run_in_subprocess)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 TRAIN = pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
@@ -201,37 +202,11 @@ def test_indexing_a_concrete_array_with_a_lazy_index():
     np.testing.assert_allclose(got, want)
 
 
-DETACH_BESIDE_A_DENSE = """
-import numpy as np, mxnet as mx
-from mxnet import autograd, nd
-from mxnet.gluon import nn
-import jitbatch
-a, d = nn.Dense(4, in_units=4), nn.Dense(4, in_units=4)
-for b in (a, d):
-    b.initialize(mx.init.Uniform(0.5))
-xs = [nd.array(np.random.default_rng(i).normal(size=(2, 4))) for i in range(3)]
-def go(flag):
-    for b in (a, d):
-        b.hybridize(dynamic_batch=True, policy="agenda") if flag else b.hybridize(active=False)
-        for p in b.collect_params().values():
-            p.zero_grad()
-    with autograd.record():
-        ys = [nd.concat(d(x[0:1]), (a(x[0:1]) + x[1:2]).detach() * x[1:2], dim=1) for x in xs]
-        loss = nd.add_n(*[nd.sum(y * y) for y in ys])
-    loss.backward()
-    return [y.asnumpy() for y in ys] + [p.grad().asnumpy().copy()
-                                        for b in (a, d) for p in b.collect_params().values()]
-for i, (w, g) in enumerate(zip(go(False), go(True))):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=str(i))
-print("same")
-"""
-
-
 def test_detach_beside_a_dense_in_backward():
     """``.detach()`` under autograd is a recorded BlockGrad: where a Dense
     reaches the loss only through it, MXNet 1.9.1 segfaults in backward() on
     a BlockGrad of gathered rows (tests/test_heldout12.py,
     test_a_dense_reaching_the_loss_only_through_blockgrad); jitbatch runs such
     launches outside autograd, so the program gives plain Gluon's numbers."""
-    rc, out, err = run_in_subprocess(DETACH_BESIDE_A_DENSE)
+    rc, out, err = run_in_subprocess(dense_behind_a_stop("v.detach()"))
     assert rc == 0 and "same" in out, (rc, out, err[-2000:])
