@@ -211,7 +211,7 @@ def f8_view_outside_record(net):
     return grads(net)
 
 
-@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential"])
+@pytest.mark.parametrize("policy", ["auto", "depth", "agenda", "sequential"])
 @pytest.mark.parametrize("name", sorted(P))
 def test_writes_views_and_pause_equal_plain_gluon(name, policy):
     net = seeded(Dense3)()
@@ -281,7 +281,7 @@ def _indexed(case, flag, policy):
         net.hybridize(active=False)
 
 
-@pytest.mark.parametrize("policy", ["depth", "agenda", "sequential"])
+@pytest.mark.parametrize("policy", ["auto", "depth", "agenda", "sequential"])
 @pytest.mark.parametrize("case", ["write-through", "write-source", "computed-first", "column"])
 def test_indexing_over_two_axes_views_as_mxnet_does(case, policy):
     """``y[0, 1:]`` of a lazy array was a recorded copy, pending or computed

@@ -633,13 +633,14 @@ def _make_loss_program(n, used, inside):
     return program
 
 
+@POLICY
 @pytest.mark.parametrize("inside", [True, False], ids=["in-block", "between-blocks"])
-def test_make_loss_of_samples_left_out_of_the_loss(inside):
+def test_make_loss_of_samples_left_out_of_the_loss(inside, policy):
     """make_loss's backward passes ones whatever the head gradient: until
     2026-11-27 merged samples left out of the summed loss added their
     gradient; recorded, make_loss now runs one call per sample."""
     make = seeded(LossBlock)
-    want, got, _ = both(make, _make_loss_program(4, [0, 1], inside), "depth")
+    want, got, _ = both(make, _make_loss_program(4, [0, 1], inside), policy)
     same_arrays(want, got, "gradient")
 
 

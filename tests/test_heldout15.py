@@ -720,8 +720,9 @@ SEEDED_DRAWS = {
 }
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(SEEDED_DRAWS))
-def test_seeded_draws_on_a_lazy_array_of_a_new_signature(name):
+def test_seeded_draws_on_a_lazy_array_of_a_new_signature(name, policy):
     """A random operator on a lazy array of a new signature: until 2026-11-27
     its output shapes were learnt by running it once, which drew from the
     generator a seeded program draws from (the first minibatch's seeded
@@ -740,7 +741,7 @@ def test_seeded_draws_on_a_lazy_array_of_a_new_signature(name):
         finally:
             net.hybridize(active=False)
     want = draws(None)
-    got = draws("depth")
+    got = draws(policy)
     same_arrays(want, got, "draw after mx.random.seed(42)")
 
 
@@ -756,12 +757,13 @@ class SamplingPolicy(HybridBlock):
         return F.sample_multinomial(F.softmax(self.b(x)), get_prob=True)
 
 
-def test_sampling_inside_the_policy_block_merges():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sampling_inside_the_policy_block_merges(policy):
     """``sample_multinomial`` draws per row of its input: until 2026-11-27 it
     was taken for a draw of fixed shape (one per launch), and the block ran
     one call per sample with a ContractWarning saying so; now it merges."""
     net = init(SamplingPolicy())
-    flag(net, "depth")
+    flag(net, policy)
     jitbatch.reset_stats()
     try:
         with warnings.catch_warnings(record=True) as rec:
@@ -775,4 +777,5 @@ def test_sampling_inside_the_policy_block_merges():
         net.hybridize(active=False)
     assert not [w for w in rec if issubclass(w.category, jitbatch.ContractWarning)], \
         [str(w.message)[:200] for w in rec]
-    assert merged(st), st
+    if policy not in ("auto", "sequential"):   # (auto may pick sequential under load)
+        assert merged(st), st

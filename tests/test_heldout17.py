@@ -372,12 +372,12 @@ class DropNet(Block):
         return nd.concat(*outs, dim=1)
 
 
-def _masks(kind, flag, n=64):
+def _masks(kind, flag, n=64, policy="auto"):
     mx.random.seed(1)
     net = DropNet(kind)
     net.initialize()
     if flag:
-        net.hybridize(dynamic_batch=True)
+        net.hybridize(dynamic_batch=True, policy=policy)
     try:
         with autograd.record():
             ys = [net(nd.ones((1, H))) for _ in range(n)]
@@ -835,8 +835,9 @@ PASS_THROUGH = {
 }
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mid", sorted(PASS_THROUGH))
-def test_a_flagged_pass_through_block_passes_the_gradient(mid):
+def test_a_flagged_pass_through_block_passes_the_gradient(mid, policy):
     """A flagged block one of whose outputs IS its input (Identity, an empty
     HybridSequential, a lambda returning x): until 2026-11-27 every gradient
     before it was lost (MXNet's CachedOp hands such an output back with no
@@ -844,17 +845,18 @@ def test_a_flagged_pass_through_block_passes_the_gradient(mid):
     make = lambda: AroundMid(PASS_THROUGH[mid])  # noqa: E731
     samples = _samples([1, 1])
     want = _program(make, samples, True, False)
-    got = _program(make, samples, True, True, "depth")
+    got = _program(make, samples, True, True, policy)
     same_arrays(want, got, mid)
 
 
-def test_backward_of_a_flagged_identitys_output():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_backward_of_a_flagged_identitys_output(policy):
     """Until 2026-11-27: NotDifferentiableError, where plain Gluon
     differentiates (the same cause as the test above)."""
     make = lambda: AroundMid(cnn.Identity, tail=True)  # noqa: E731
     samples = _samples([1, 1])
     want = _program(make, samples, True, False)
-    got = _program(make, samples, True, True)
+    got = _program(make, samples, True, True, policy)
     same_arrays(want, got, "identity last")
 
 
@@ -863,7 +865,7 @@ def _seq_with_dropout0():
                      rnn.DropoutCell(0.0), rnn.GRUCell(4, input_size=5))
 
 
-@pytest.mark.parametrize("policy", ["depth", "sequential"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_dropout_cell_in_a_sequential_rnn_cell_stepped(policy):
     """DropoutCell(0) passes its input through: until 2026-11-27 the cells
     before it got zero gradients (a crash in backward under 'sequential')."""
@@ -874,22 +876,24 @@ def test_dropout_cell_in_a_sequential_rnn_cell_stepped(policy):
     same_arrays(want, got, "dropout cell " + policy)
 
 
-def test_variational_dropout_keeps_one_mask_per_sequence():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_variational_dropout_keeps_one_mask_per_sequence(policy):
     """The cell keeps its mask as Python state between step calls: until
     2026-11-27, traced (as plain hybridize() traces it), each step drew a new
     mask; flagged it now runs unhybridized (its cell flagged, its operators
     recorded one by one), as per sample."""
     y = _masks("VariationalDropoutCell", False)
     assert ((y[:, :W] != 0) == (y[:, W:] != 0)).all()        # plain: one mask per sequence
-    y = _masks("VariationalDropoutCell", True)
+    y = _masks("VariationalDropoutCell", True, policy=policy)
     assert ((y[:, :W] != 0) == (y[:, W:] != 0)).all()
 
 
-def test_zoneout_keeps_the_previous_output():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_zoneout_keeps_the_previous_output(policy):
     """The same for ZoneoutCell's previous output (zoned-out units were 0)."""
     y = _masks("ZoneoutCell", False)
     assert ((y[:, W:] != 0) >= (y[:, :W] != 0)).all()        # plain
-    y = _masks("ZoneoutCell", True)
+    y = _masks("ZoneoutCell", True, policy=policy)
     assert ((y[:, W:] != 0) >= (y[:, :W] != 0)).all()
 
 
@@ -903,7 +907,8 @@ def test_fused_ntc_layer_with_explicit_states_names_the_states():
     assert "layout TNC" not in str(e.value), str(e.value)
 
 
-def test_flagged_ctc_loss_merges():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_flagged_ctc_loss_merges(policy):
     """Until 2026-11-27 'its operator CTCLoss has no batching rule': one call
     per sample; its data lie along axis 1, its labels and lengths along 0."""
     loss = CTCProg(gloss.CTCLoss, None, "flagged", weighted=False)
@@ -913,7 +918,7 @@ def test_flagged_ctc_loss_merges():
         want = _program(lambda: Wrap(lambda: nn.Activation("tanh"), (T + 1, 3)), samples,
                         True, False, loss=loss)
         got = _program(lambda: Wrap(lambda: nn.Activation("tanh"), (T + 1, 3)), samples,
-                       True, True, "agenda", loss=loss)
+                       True, True, policy, loss=loss)
     same_arrays(want, got, "ctc flagged")                    # right numbers today
     assert not contract_warnings(record), contract_warnings(record)
 
