@@ -923,18 +923,34 @@ def test_flagged_ctc_loss_merges(policy):
     assert not contract_warnings(record), contract_warnings(record)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: gloss.CTCLoss flagged, with a (1, 1) sample_weight: unclear error: BatchingError "
-    "'output 0 has shape (1, 1), but for twice the rows (2, 2) ... Fix: keep a per-sample "
-    "leading axis', where the sample already has one (the (N,) loss broadcast against the "
-    "(N, 1) weight); plain per-sample Gluon runs it; per sample (or a fix naming "
-    "sample_weight's shape) expected"))
 def test_flagged_ctc_loss_with_sample_weight():
-    loss = CTCProg(gloss.CTCLoss, None, "flagged", weighted=True)
+    """Until 2026-11-26 a (1, 1) sample_weight of a flagged CTCLoss (its loss is
+    (1,): per sample the product is (1, 1), merged (N, N)) got an error telling
+    the user to keep a per-sample leading axis, which the sample has. The
+    error now says an operator broadcasts arrays whose samples lie along
+    different axes, names the (1, 1) argument and the fix; with the fix (a
+    weight of the loss's shape) the calls merge and equal plain Gluon's."""
     make = lambda: Wrap(lambda: nn.Activation("tanh"), (T + 1, 3))  # noqa: E731
     samples = _samples(ONE)
-    want = _program(make, samples, True, False, loss=loss)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jitbatch.ContractWarning)
-        got = _program(make, samples, True, True, loss=loss)
-    same_arrays(want, got, "ctc weighted")
+    loss = CTCProg(gloss.CTCLoss, None, "flagged", weighted=True)
+    _program(make, samples, True, False, loss=loss)        # plain Gluon runs it
+    with pytest.raises(jitbatch.BatchingError) as e:
+        _program(make, samples, True, True, loss=loss)
+    text = str(e.value)
+    assert "different axes" in text and "argument 4, of shape (1, 1)" in text and \
+        "sample_weight" in text and "leading axis" not in text, text
+    fixed = FixedWeightCTC(gloss.CTCLoss, None, "flagged", weighted=True)
+    for policy in POLICIES:
+        want = _program(make, samples, True, False, loss=fixed)
+        got = _program(make, samples, True, True, policy, loss=fixed)
+        same_arrays(want, got, "ctc weighted (1,)")
+
+
+class FixedWeightCTC(CTCProg):
+    """:class:`CTCProg` weighted with the fix the error names: a (1,) weight."""
+
+    def __call__(self, out, i):
+        r = np.random.default_rng(100 + i)
+        label = nd.array(r.integers(1, 3, size=(1, 2)))
+        lengths = [nd.array([T + 1 - i % 2]), nd.array([1 + i % 2])]
+        return nd.sum(self.L(out, label, *lengths, nd.array([0.5 + i])))
