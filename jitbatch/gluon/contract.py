@@ -183,3 +183,26 @@ def control_flow(out):
                        "runs a subgraph whose predicate or loop is one per launch "
                        "(merged samples would share it)")
     return None
+
+
+def crossed_rows(name, shapes, k, a, b):
+    """The error for an output ``k`` that at twice the rows grows along another
+    axis too (``a`` -> ``b``): an operator broadcast arrays whose samples lie
+    along different axes (``(1,)`` against ``(1, 1)``; merged, ``(N,)``
+    against ``(N, 1)`` make ``(N, N)``), naming the arguments of all-ones
+    shape of more than one axis, the usual culprits; None for other growth."""
+    if len(b) != len(a) or b[0] != 2 * a[0] or \
+            not any(y == 2 * x for x, y in zip(a[1:], b[1:])):
+        return None
+    ones = [i for i, s in enumerate(shapes) if len(s) > 1 and all(d == 1 for d in s)]
+    culprit = (" (here argument%s %s, of shape %s)" % (
+        "s" if len(ones) > 1 else "", ", ".join(map(str, ones)),
+        ", ".join(str(shapes[i]) for i in ones))) if ones else ""
+    return ("block %s cannot be batched along axis 0: for inputs %s its output %d has shape "
+            "%s, but for twice the rows it has %s: it grows along another axis too, so an "
+            "operator broadcasts two arrays whose samples lie along different axes (a (1,) "
+            "array against a (1, 1) one is (1, 1) per sample; merged, (N,) against (N, 1) "
+            "is (N, N): every sample would meet every other). Fix: give the arrays the "
+            "block combines the same number of axes%s, e.g. reshape a (1, 1) argument to "
+            "(1,) (a loss's sample_weight to the loss's shape), or hybridize this block "
+            "without dynamic_batch." % (name, shapes, k, a, b, culprit))

@@ -32,6 +32,17 @@ class BatchConfig(object):
             self.policy, self.budget, self.granularity)
 
 
+class ReadsMode(Exception):
+    """Raised by the tracing of a flagged block whose ``hybrid_forward`` asked
+    ``autograd.is_training()`` or ``is_recording()``: its traced graph would
+    keep the answer of its first call (plain ``hybridize()`` does), so the
+    block is left unhybridized (``block``) and the call runs as per sample."""
+
+    def __init__(self, block):
+        Exception.__init__(self, block.name)
+        self.block = block
+
+
 class Token(object):
     """What a block's signatures are recorded under (``block._jb_token``,
     held by their keys): a new token when its structure or declarations change

@@ -7,6 +7,7 @@ calls), MXNet's operator entry point (operators on lazy arrays),
 ``nd.stack`` (stacks of lazy rows), ``hybridize`` (the flags, tree-wide),
 ``_clear_cached_op`` (new signatures) and ``_get_graph`` (graph rewrites)."""
 import threading
+import warnings
 from sys import _getframe
 from functools import wraps
 
@@ -26,12 +27,12 @@ from mxnet.symbol import Symbol
 
 from .. import config as _config
 from .. import execute
-from ..errors import FlagError
+from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
 from ._mxapi import np_array_mode, recurrent_forward
-from .flags import FLAG_KEYS, parse_flags, renew_token
+from .flags import FLAG_KEYS, ReadsMode, parse_flags, renew_token
 from .fused import stateless
 from .interleave import in_sample
 from .lazy import LazyArray, NotDifferentiableError, detach, node_of
@@ -360,6 +361,10 @@ def _call(self, *args):
                         self.__dict__["_counter"] = self._counter + 1
                     return res
         return _mxapi.block_call(self, *args)
+    except ReadsMode as e:
+        if e.block is not self:
+            raise
+        return _mxapi.block_call(self, *args)     # now unhybridized: as per sample
     except BaseException as e:
         # a sample of jitbatch.map shares the graph with the other samples,
         # which record into it while this one waits at a read: the nodes past
@@ -422,14 +427,54 @@ def _clear(self):
 _TRACING = threading.RLock()
 
 
+def _trace_asking_mode(block, args):
+    """MXNet's tracing of ``block`` with ``autograd.is_training`` and
+    ``is_recording`` watched (what a ``hybrid_forward`` branching on the mode
+    calls, through the module): the name of the first one it asked, or None.
+    Under ``_TRACING``."""
+    asked = []
+
+    def watched(name, fn):
+        def ask():
+            asked.append(name)
+            return fn()
+        return ask
+    saved = [(name, getattr(_autograd, name)) for name in ("is_training", "is_recording")]
+    for name, fn in saved:
+        setattr(_autograd, name, watched(name, fn))
+    try:
+        _mxapi.get_graph(block, *args)
+    finally:
+        for name, fn in saved:
+            setattr(_autograd, name, fn)
+    return asked[0] if asked else None
+
+
 def _get_graph(self, *args):
     """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
     of :mod:`.rewrite` (once, when the graph is traced; every later use of the
     block's graph, merged or per sample, runs the rewritten one); one thread
-    at a time."""
+    at a time. A flagged block whose tracing asks the autograd mode is left
+    unhybridized (``ReadsMode``)."""
     with _TRACING:
         fresh = not self._cached_graph  # pylint: disable=protected-access
-        res = _mxapi.get_graph(self, *args)
+        if fresh and self._jb_cfg is not None:
+            asked = _trace_asking_mode(self, args)
+            if asked:
+                _mxapi.clear_cached_op(self)
+                self._jb_cfg = None
+                self._active = False
+                warnings.warn(
+                    "block %s: its hybrid_forward asks autograd.%s(), so a traced graph "
+                    "would keep the answer of its first call (plain hybridize() does); it "
+                    "runs unhybridized instead: exact in every mode, its operators recorded "
+                    "one by one (they still merge). Fix, to batch it as one block: pass the "
+                    "mode in as an input array, or compute both branches and pick with "
+                    "F.where." % (self.name, asked), ContractWarning, stacklevel=2)
+                raise ReadsMode(self)
+            res = self._cached_graph  # pylint: disable=protected-access
+        else:
+            res = _mxapi.get_graph(self, *args)
         if fresh and self._jb_cfg is not None:
             counts = rewrite.rewrite_traced(self)
             if any(counts.values()):

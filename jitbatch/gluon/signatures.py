@@ -33,7 +33,7 @@ from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_outputs,
                         watch_params)
-from .flags import pad_names
+from .flags import ReadsMode, pad_names
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients
@@ -267,6 +267,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     ctx = check_ctx(mc, "block %s" % block.name)
     try:
         inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
+    except ReadsMode:
+        raise
     except Exception as e:
         raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
                             % (block.name, type(e).__name__, e)) from e
@@ -383,7 +385,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "outputs, or hybridize this block without dynamic_batch."
                 % (block.name, k, shapes, _unknown_shape_op(out, names, shapes)))
         if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
-            crossed = _crossed_rows(block, shapes, k, a, b)
+            crossed = contract.crossed_rows(block.name, shapes, k, a, b)
             if crossed is not None:
                 raise BatchingError(crossed)
             raise BatchingError(
@@ -490,29 +492,6 @@ def _shapes_by_running(block, args, mode):
     for o in outs:
         o.wait_to_read()
     return [o.shape for o in outs]
-
-
-def _crossed_rows(block, shapes, k, a, b):
-    """The error for an output ``k`` that at twice the rows grows along another
-    axis too (``a`` -> ``b``): an operator broadcast arrays whose samples lie
-    along different axes (``(1,)`` against ``(1, 1)``; merged, ``(N,)``
-    against ``(N, 1)`` make ``(N, N)``), naming the arguments of all-ones
-    shape of more than one axis, the usual culprits; None for other growth."""
-    if len(b) != len(a) or b[0] != 2 * a[0] or \
-            not any(y == 2 * x for x, y in zip(a[1:], b[1:])):
-        return None
-    ones = [i for i, s in enumerate(shapes) if len(s) > 1 and all(d == 1 for d in s)]
-    culprit = (" (here argument%s %s, of shape %s)" % (
-        "s" if len(ones) > 1 else "", ", ".join(map(str, ones)),
-        ", ".join(str(shapes[i]) for i in ones))) if ones else ""
-    return ("block %s cannot be batched along axis 0: for inputs %s its output %d has shape "
-            "%s, but for twice the rows it has %s: it grows along another axis too, so an "
-            "operator broadcasts two arrays whose samples lie along different axes (a (1,) "
-            "array against a (1, 1) one is (1, 1) per sample; merged, (N,) against (N, 1) "
-            "is (N, N): every sample would meet every other). Fix: give the arrays the "
-            "block combines the same number of axes%s, e.g. reshape a (1, 1) argument to "
-            "(1,) (a loss's sample_weight to the loss's shape), or hybridize this block "
-            "without dynamic_batch." % (block.name, shapes, k, a, b, culprit))
 
 
 def _doubling_mix(out, error):
