@@ -27,10 +27,11 @@ from mxnet.symbol import Symbol
 
 from .. import config as _config
 from .. import execute
-from ..errors import ContractWarning, FlagError
+from ..errors import BatchingError, ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
+from .executors import BlockExec
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, ReadsMode, parse_flags, renew_token
 from .fused import stateless
@@ -185,6 +186,49 @@ def _make_export(orig):
     return export
 
 
+def _blocks_behind(heads):
+    """The names of the flagged blocks whose pending calls the lazy ``heads``
+    were computed from (the heads' own nodes are often a loss's operators)."""
+    names, seen = set(), set()
+    todo = [node_of(h) for h in heads if type(h) is LazyArray]
+    while todo:
+        n = todo.pop()
+        if type(n) is not Node or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if type(n.info.op) is BlockExec:
+            names.add(n.info.name)
+        todo.extend(node_of(x) for x in n.inputs if type(x) is LazyArray)
+    return sorted(names)
+
+
+def _make_get_symbol(orig):
+    """``autograd.get_symbol``: refused, with the fix, for a lazy array: what
+    autograd recorded for it is the merged launch of every sample sharing it
+    (their inputs its arguments), not this sample's program."""
+    @wraps(orig)
+    def get_symbol(x):
+        if type(x) is LazyArray:
+            raise BatchingError(
+                "autograd.get_symbol(x): x is an output of dynamic batching, and what autograd "
+                "recorded for it is the merged launch of every sample that shared it (their "
+                "inputs are its arguments), not this sample's program. Fix: for one sample's "
+                "symbol, call the network with hybridize(dynamic_batch=False) (or unhybridized) "
+                "for that sample; to save the model, net.export(path).")
+        return orig(x)
+    return get_symbol
+
+
+def _getstate(self):
+    """``pickle`` / ``copy.deepcopy`` of a flagged block: without MXNet's
+    CachedOp, a C handle that cannot be copied (plain hybridize() fails
+    there); the copy builds its own at its first call."""
+    state = self.__dict__.copy()
+    if self._jb_cfg is not None and state.get("_cached_op") is not None:
+        state["_cached_op"] = None
+    return state
+
+
 def _make_grad(orig):
     """``autograd.grad``: MXNet's refusal of ``create_graph=True`` through a
     CachedOp (every flagged block's launch is one) said in jitbatch's terms,
@@ -198,9 +242,7 @@ def _make_grad(orig):
             retain_graph = True
         names = ()
         if create_graph:      # the heads' blocks, while their nodes are pending
-            seq = heads if isinstance(heads, (list, tuple)) else [heads]
-            names = sorted({node_of(h).info.name for h in seq
-                            if type(h) is LazyArray and type(node_of(h)) is Node})
+            names = _blocks_behind(heads if isinstance(heads, (list, tuple)) else [heads])
         try:
             return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
         except MXNetError as e:
@@ -510,6 +552,8 @@ def install():
     _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
     _set(HybridBlock, "export", _make_export(HybridBlock.export))
     _set(_autograd, "grad", _make_grad(_autograd.grad))
+    _set(_autograd, "get_symbol", _make_get_symbol(_autograd.get_symbol))
+    _set(HybridBlock, "__getstate__", _getstate)
     _set(_mxrandom, "seed", _make_seed(_mxrandom.seed))
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
