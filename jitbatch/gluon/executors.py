@@ -14,6 +14,7 @@ import weakref
 import numpy as np
 from mxnet import autograd
 from mxnet.base import MXNetError
+from mxnet.context import Context
 from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
 
@@ -94,7 +95,7 @@ class BlockExec(object):
         n = batch[0].group.size     # with filler samples (config.row_buckets)
         block = self.block
         with self.ctx, _mxapi.mode_scope(self.mode):
-            ins = gather.gather_batch(batch)
+            ins = unpinned(gather.gather_batch(batch))
             with _CACHED_OPS:
                 op = None if block._cached_op is None or block._callback else \
                     self._static_op(block, ins)  # pylint: disable=protected-access
@@ -155,12 +156,29 @@ class BlockExec(object):
         leaves = _format_leaves(self.fmt)
         with self.ctx, _mxapi.mode_scope(self.mode):
             for node in batch:
-                it = iter([row_value(x) if type(x) is LazyArray else x for x in node.inputs])
+                it = iter(unpinned([row_value(x) if type(x) is LazyArray else x
+                                     for x in node.inputs]))
                 args = _regroup([None if f == -1 else next(it) for f in leaves], self.fmt)
                 with _CACHED_OPS:
                     res = self.block._call_cached_op(*args)  # pylint: disable=protected-access
                 outs, _ = _flatten(res, "output")
                 finish([node], outs)
+
+
+_PINNED = Context.devstr2type["cpu_pinned"]
+
+
+def unpinned(arrays):
+    """``arrays``, those in pinned memory copied to the CPU: a CachedOp refuses
+    inputs on another device than its parameters' (plain hybridize() too),
+    where per-sample operators read pinned memory as the CPU's (one check per
+    input of a launch)."""
+    for a in arrays:
+        m = _mxapi.concrete_meta(a)
+        if m is not None and m[2][0] == _PINNED:
+            return [x.as_in_context(Context("cpu", x.context.device_id))
+                    if x.context.device_type == "cpu_pinned" else x for x in arrays]
+    return arrays
 
 
 class StaticOps(object):

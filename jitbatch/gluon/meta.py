@@ -4,6 +4,8 @@ Every device has ONE ``Device`` object (a ``Context``), shared by every meta and
 lazy array: signature keys compare it by identity and hash it from a stored
 value (``Context.__eq__`` is Python code and ``Context.__hash__`` builds a tuple
 per call)."""
+import threading
+
 from mxnet.context import Context
 
 from ..errors import BatchingError
@@ -24,7 +26,23 @@ class Device(Context):
     def __hash__(self):
         return self._hash
 
+    # MXNet's Context keeps the default it replaces on the object, so two
+    # nested ``with`` blocks on one object (a block's forward and a launch
+    # both enter the device of its input) left the inner one's default
+    # behind: this object, shared, keeps one stack per thread
+    def __enter__(self):
+        local = Context._default_ctx
+        if not hasattr(local, "value"):
+            local.value = Context("cpu", 0)
+        _ENTERED.__dict__.setdefault(self._jb_id, []).append(local.value)
+        local.value = self
+        return self
 
+    def __exit__(self, ptype, value, trace):
+        Context._default_ctx.value = _ENTERED.__dict__[self._jb_id].pop()
+
+
+_ENTERED = threading.local()   # per thread: Device number -> the defaults it replaced
 _CONTEXTS = {}   # Context of a device -> its Device
 _DEVICES = {}    # (device type id, device id) -> its Device
 
@@ -60,10 +78,10 @@ def meta(a):
         shape, dtype, dev = fast
         c = _DEVICES.get(dev)
         if c is None:
-            c = _DEVICES[dev] = device(a.context)
+            c = _DEVICES[dev] = device(_unpinned(a.context))
         m = (shape, dtype, c)
     else:
-        m = (a.shape, a.dtype, device(a.context))
+        m = (a.shape, a.dtype, device(_unpinned(a.context)))
     # small arrays only: the cache keeps them alive, and a sample's input of
     # megabytes, dropped by the user, must be freed (at most 512 x SMALL values)
     n = 1
@@ -74,6 +92,14 @@ def meta(a):
             _concrete.clear()
         _concrete[id(a)] = (a, m)
     return m
+
+
+def _unpinned(ctx):
+    """The device an operator on an array in ``ctx`` computes on: the CPU for
+    pinned memory (MXNet: "pinned context doesn't propagate"; an operator's
+    output is never pinned), so a pinned sample's outputs are on the CPU and
+    its calls merge with those of CPU samples."""
+    return Context("cpu", ctx.device_id) if ctx.device_type == "cpu_pinned" else ctx
 
 
 def forget():

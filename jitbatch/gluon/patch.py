@@ -31,7 +31,7 @@ from ..errors import BatchingError, ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, meta, rewrite, signatures
-from .executors import BlockExec
+from .executors import BlockExec, unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, ReadsMode, parse_flags, renew_token
 from .fused import stateless
@@ -140,9 +140,12 @@ def _array(source_array, ctx=None, dtype=None):
                 values = np.array(source_array, dtype=_mx_real_t if dtype is None else dtype)
             except (TypeError, ValueError):
                 values = None
+            where = ctx or current_context()
+            # pinned memory is made at once: a pending value would be on the
+            # CPU (what operators on pinned arrays compute on, meta._unpinned)
             if values is not None and values.ndim and values.size and \
-                    values.dtype.kind in "biuf":
-                return record_const(g, values, ctx or current_context())
+                    values.dtype.kind in "biuf" and where.device_type != "cpu_pinned":
+                return record_const(g, values, where)
     return _mxapi.nd_array(source_array, ctx=ctx, dtype=dtype)
 
 
@@ -173,6 +176,18 @@ def _make_initialize(orig):
             _run_pending("write")
         return orig(self, *args, **kwargs)
     return initialize
+
+
+def _make_replacing(orig):
+    """``Parameter.reset_ctx`` / ``cast``: MXNet replaces the parameter's
+    arrays, which recorded calls read at their launch, so this thread's
+    pending calls run first (per sample they ran at their call)."""
+    @wraps(orig)
+    def replacing(self, *args, **kwargs):
+        if self._data is not None:   # pylint: disable=protected-access
+            _run_pending("write")
+        return orig(self, *args, **kwargs)
+    return replacing
 
 
 def _make_export(orig):
@@ -402,6 +417,8 @@ def _call(self, *args):
                     if rnn:
                         self.__dict__["_counter"] = self._counter + 1
                     return res
+        elif g.passthrough and args:
+            args = unpinned(args)      # run at once: as a launch would (see unpinned)
         return _mxapi.block_call(self, *args)
     except ReadsMode as e:
         if e.block is not self:
@@ -550,6 +567,8 @@ def install():
     _set(NDArray, "__setitem__", _setitem)
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
+    _set(Parameter, "reset_ctx", _make_replacing(Parameter.reset_ctx))
+    _set(Parameter, "cast", _make_replacing(Parameter.cast))
     _set(HybridBlock, "export", _make_export(HybridBlock.export))
     _set(_autograd, "grad", _make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", _make_get_symbol(_autograd.get_symbol))

@@ -273,6 +273,9 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
                             % (block.name, type(e).__name__, e)) from e
     watch_params(block)
+    for p in block.collect_params().values():   # plain Gluon's error, at the call
+        if p._data is not None:  # pylint: disable=protected-access
+            p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
     if block._in_format != fmt:  # pylint: disable=protected-access
         raise BatchingError(
             "block %s was first called with argument structure %s and now with %s; a "

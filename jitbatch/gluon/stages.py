@@ -248,10 +248,10 @@ def _make_plan(info, nodes):
     a_ex.stages = b_ex.stages = False
     # keys derived from the block's (measurements carry over when the block is
     # hybridized again: signatures.new_info); the input stage's key holds only
-    # what it reads, so calls of the block that differ in late inputs (e.g.
-    # their child count) share its launch
+    # what it reads (and the device), so calls of the block that differ in
+    # late inputs (e.g. their child count) share its launch
     k = info.key
-    a_key = derived_key(STAGE_IN, k, tuple(a_pos), a_in, ex.mode, ragged)
+    a_key = derived_key(STAGE_IN, k, tuple(a_pos), a_in, ex.mode, ragged, ex.ctx)
     b_key = derived_key(STAGE_MAIN, k, k[0], *k[3:])
     a_info = TABLE.get(a_key) or TABLE.add(
         a_key, lambda sid: new_info(sid, a_key, a_ex, a_meta, True, info.name + "[input stage]"))
