@@ -190,6 +190,19 @@ def _make_replacing(orig):
     return replacing
 
 
+def _make_register_child(orig):
+    """``Block.register_child`` (a child added, replaced by assignment, or a
+    layer added to a Sequential) of a flagged block: this thread's pending
+    calls run first, with the structure they were called with (a launch
+    traces the block as it is then)."""
+    @wraps(orig)
+    def register_child(self, block, name=None):
+        if self._jb_cfg is not None:
+            _run_pending("structure")
+        return orig(self, block, name)
+    return register_child
+
+
 def _make_export(orig):
     """``HybridBlock.export``: MXNet saves the parameters its CachedOp was
     built with, which a block whose calls are still pending has not built yet:
@@ -568,6 +581,7 @@ def install():
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
     _set(Parameter, "reset_ctx", _make_replacing(Parameter.reset_ctx))
+    _set(Block, "register_child", _make_register_child(Block.register_child))
     _set(Parameter, "cast", _make_replacing(Parameter.cast))
     _set(HybridBlock, "export", _make_export(HybridBlock.export))
     _set(_autograd, "grad", _make_grad(_autograd.grad))
