@@ -133,6 +133,20 @@ def memory_span(arr):
     return ptr.value, ptr.value + arr.size * np.dtype(arr.dtype).itemsize
 
 
+def dtype_name(dtype):
+    """MXNet's name of ``dtype``: NumPy's, but 'bfloat16' for MXNet's bfloat16
+    (a structured NumPy dtype, whose NumPy name is 'void16')."""
+    d = np.dtype(dtype)
+    return "bfloat16" if d.names == ("bfloat16",) else d.name
+
+
+def dtype_key(dtype):
+    """What jitbatch keeps as an array's dtype: the NumPy scalar type, or the
+    dtype itself for MXNet's bfloat16 (its scalar type, numpy.void, would lose it)."""
+    d = np.dtype(dtype)
+    return d if d.names else d.type
+
+
 def trial(shape, ctx, dtype, second=False, divides=True):
     """An array to run a kernel on once to learn its output shapes: zeros
     (``second``: ones); where ``dtype`` is an integer type and the kernel may
@@ -140,7 +154,7 @@ def trial(shape, ctx, dtype, second=False, divides=True):
     process (SIGFPE) where plain Gluon, on the sample's values, divides by none."""
     if divides and np.issubdtype(np.dtype(dtype), np.integer):
         return invoke(op_handle("_full"), [], ["shape", "ctx", "dtype", "value"],
-                      [tuple(shape), ctx, np.dtype(dtype).name, "2" if second else "1"],
+                      [tuple(shape), ctx, dtype_name(dtype), "2" if second else "1"],
                       None, False, False)
     return zeros(shape, ctx, dtype, "_ones" if second else "_zeros")
 
@@ -155,7 +169,7 @@ def zeros(shape, ctx, dtype, fill="_zeros"):
     is pending, and jitbatch's own zeros (shape inference, padding) must exist
     at once."""
     return invoke(op_handle(fill), [], ["shape", "ctx", "dtype"],
-                  [tuple(shape), ctx, np.dtype(dtype).name], None, False, False)
+                  [tuple(shape), ctx, dtype_name(dtype)], None, False, False)
 
 
 _CPU = cpu()

@@ -97,8 +97,10 @@ class BlockExec(object):
         with self.ctx, _mxapi.mode_scope(self.mode):
             ins = unpinned(gather.gather_batch(batch))
             with _CACHED_OPS:
-                op = None if block._cached_op is None or block._callback else \
-                    self._static_op(block, ins)  # pylint: disable=protected-access
+                # not while recording: MXNet's static CachedOp, called again in
+                # one recording, can differentiate wrongly (docs/design.rst)
+                op = None if block._cached_op is None or block._callback or \
+                    self.mode[0] else self._static_op(block, ins)  # pylint: disable=protected-access
                 if op is None:
                     it = iter(ins)
                     flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
@@ -121,18 +123,17 @@ class BlockExec(object):
         finish(batch, outs)
 
     def _static_op(self, block, ins):
-        """A CachedOp of ``block``'s graph with MXNet's static memory for
-        launches with these input shapes: MXNet's dynamic CachedOp allocates
-        every intermediate array on every call (and frees it, one engine
-        operation each); a static one keeps its buffers and reuses them (the
-        engine orders the launches that share them; a state autograd still
-        holds for a backward is not reused: MXNet makes another) and returns
-        outputs of their own. Launches that do not record (inference) also
-        plan shapes once (``static_shape``); recording ones do not, as with it
-        a backward after launches of other sizes gave wrong gradients
-        (docs/design.rst, Known limits). None where the shape has none (yet):
-        the dynamic CachedOp runs it (``StaticOps`` says which shapes get
-        one). Made beside the block's own CachedOp and dropped with it."""
+        """A CachedOp of ``block``'s graph with MXNet's static memory and shapes
+        for inference launches with these input shapes: MXNet's dynamic
+        CachedOp allocates every intermediate array on every call (and frees
+        it, one engine operation each) and plans shapes and memory each time;
+        a static one keeps its buffers and reuses them (the engine orders the
+        launches that share them) and returns outputs of their own. Not for
+        recording launches: called again within one recording, MXNet 1.9.1's
+        static CachedOp gave wrong gradients (docs/design.rst, Known limits).
+        None where the shape has none (yet): the dynamic CachedOp runs it
+        (``StaticOps`` says which shapes get one). Made beside the block's own
+        CachedOp and dropped with it."""
         base = block._cached_op  # pylint: disable=protected-access
         cache = self._static
         if self._static_of is not base:
@@ -146,7 +147,7 @@ class BlockExec(object):
         args = block._cached_op_args  # pylint: disable=protected-access
         flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
                  ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
-                 ("static_alloc", True), ("static_shape", not self.mode[0])] + \
+                 ("static_alloc", True), ("static_shape", True)] + \
             [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
         op = entry[0] = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
         return op

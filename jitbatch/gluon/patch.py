@@ -41,7 +41,7 @@ from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
                      record_filled, record_op, rows_composite, stack)
 
-_patches = []          # (owner, name, original) in patch order
+_patches = []          # (owner, name, original, ours) in patch order
 _MISSING = object()
 _tls = threading.local()
 _SCOPES = 0   # unflagged blocks running on lazy arguments, all threads (see _scoped_forward)
@@ -557,7 +557,7 @@ def _get_graph(self, *args):
 
 # -- install / uninstall --------------------------------------------------------------
 def _set(owner, name, value):
-    _patches.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    _patches.append((owner, name, owner.__dict__.get(name, _MISSING), value))
     setattr(owner, name, value)
 
 
@@ -614,7 +614,12 @@ def uninstall():
     _mxapi.release_hosts()
     g.kept_before = []
     while _patches:
-        owner, name, orig = _patches.pop()
+        owner, name, orig, ours = _patches.pop()
+        if owner.__dict__.get(name, _MISSING) is not ours:
+            # wrapped since by another library (amp.init wraps MXNet's operator
+            # functions): putting back MXNet's would drop its wrapper, so ours
+            # stays inside it (with nothing pending it hands every call on)
+            continue
         if orig is _MISSING:
             delattr(owner, name)
         else:

@@ -399,7 +399,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "shape (1, K, H) instead of (K, H)) or hybridize this block without "
                 "dynamic_batch." % (block.name, shapes, k, a, b,
                                     (2 * a[0],) + tuple(a[1:])))
-    out_meta = tuple((tuple(a), np.dtype(t).type) for a, t in zip(o1, ot))
+    out_meta = tuple((tuple(a), _mxapi.dtype_key(t)) for a, t in zip(o1, ot))
     in_meta = tuple(zip(shapes, dtypes))
     mix = doubled or contract.check(out, names, shapes, mode[1], mode[0])
     mode = gradients.launch_mode(mode, not mode[0] or gradients.graph_passes(out))

@@ -139,7 +139,7 @@ def partition(out, names, early):
 
 def _stage_block(sym, inputs, metas, block):
     # inputs typed: SymbolBlock infers its parameters' types from them
-    sb = SymbolBlock(sym, [_sym.var(nm, dtype=np.dtype(m[1]).name) for nm, m in zip(inputs, metas)],
+    sb = SymbolBlock(sym, [_sym.var(nm, dtype=_mxapi.dtype_name(m[1])) for nm, m in zip(inputs, metas)],
                      params=block.collect_params())
     sb._flags = list(block._flags)  # pylint: disable=protected-access
     return sb
@@ -230,7 +230,7 @@ def _make_plan(info, nodes):
     for a, b in zip(o1, o2):
         if not a or 0 in a or not b or b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
             return None     # the input stage does not batch along axis 0
-    a_meta = tuple(((None,) + tuple(s[1:]) if ragged else tuple(s), np.dtype(t).type)
+    a_meta = tuple(((None,) + tuple(s[1:]) if ragged else tuple(s), _mxapi.dtype_key(t))
                    for s, t in zip(o1, ot))
     if ragged and any(s[0] != 3 for s in o1):
         return None     # a ragged input stage must keep the call's rows
