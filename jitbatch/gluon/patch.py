@@ -5,7 +5,10 @@ shims only decide whether a call is jitbatch's business and hand it to
 ``record``: ``Block.__call__`` and ``HybridBlock.forward`` (flagged block
 calls), MXNet's operator entry point (operators on lazy arrays),
 ``nd.stack`` (stacks of lazy rows), ``hybridize`` (the flags, tree-wide),
-``_clear_cached_op`` (new signatures) and ``_get_graph`` (graph rewrites)."""
+``_clear_cached_op`` (new signatures) and ``_get_graph`` (graph rewrites; a
+block whose tracing asks the autograd mode is left unhybridized). The guards
+on functions that change what pending calls read are in :mod:`.guards`; a patch
+wrapped by another library since (``amp.init``) stays at ``uninstall``."""
 import threading
 import warnings
 from sys import _getframe
@@ -13,7 +16,7 @@ from functools import wraps
 
 import numpy as np
 from mxnet import autograd as _autograd
-from mxnet.base import MXNetError, mx_real_t as _mx_real_t
+from mxnet.base import mx_real_t as _mx_real_t
 from mxnet.context import current_context
 
 from mxnet.gluon.block import Block, HybridBlock, SymbolBlock
@@ -25,18 +28,17 @@ from mxnet import ndarray as _ndmod
 from mxnet import random as _mxrandom
 from mxnet.symbol import Symbol
 
-from .. import config as _config
 from .. import execute
-from ..errors import BatchingError, ContractWarning, FlagError
+from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
-from . import _mxapi, meta, rewrite, signatures
-from .executors import BlockExec, unpinned
+from . import _mxapi, guards, meta, rewrite, signatures
+from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, ReadsMode, parse_flags, renew_token
 from .fused import stateless
 from .interleave import in_sample
-from .lazy import LazyArray, NotDifferentiableError, detach, node_of
+from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
                      record_filled, record_op, rows_composite, stack)
@@ -155,153 +157,6 @@ def _stack(*data, **kwargs):
     if res is not None:
         return res
     return _mxapi.nd_stack(*data, **kwargs)
-
-
-def _run_pending(reason):
-    """Run this thread's pending graph, if any (and not running already)."""
-    g: Graph = current_graph()
-    if g.nodes and not g.executing:
-        execute.run_graph(g, reason=reason)
-
-
-def _make_initialize(orig):
-    """``Parameter.initialize``: with ``force_reinit`` MXNet drops the arrays
-    before the initializer writes new ones, so this thread's pending calls,
-    which may read them, run first (as a write to them runs them)."""
-    @wraps(orig)
-    def initialize(self, *args, **kwargs):
-        force = kwargs.get("force_reinit", args[3] if len(args) > 3 else False)
-        if force and self._data is not None:  # pylint: disable=protected-access
-            before_write(self._data[0])       # pylint: disable=protected-access
-            _run_pending("write")
-        return orig(self, *args, **kwargs)
-    return initialize
-
-
-def _make_replacing(orig):
-    """``Parameter.reset_ctx`` / ``cast``: MXNet replaces the parameter's
-    arrays, which recorded calls read at their launch, so this thread's
-    pending calls run first (per sample they ran at their call)."""
-    @wraps(orig)
-    def replacing(self, *args, **kwargs):
-        if self._data is not None:   # pylint: disable=protected-access
-            _run_pending("write")
-        return orig(self, *args, **kwargs)
-    return replacing
-
-
-def _make_register_child(orig):
-    """``Block.register_child`` (a child added, replaced by assignment, or a
-    layer added to a Sequential) of a flagged block: this thread's pending
-    calls run first, with the structure they were called with (a launch
-    traces the block as it is then)."""
-    @wraps(orig)
-    def register_child(self, block, name=None):
-        if self._jb_cfg is not None:
-            _run_pending("structure")
-        return orig(self, block, name)
-    return register_child
-
-
-def _make_export(orig):
-    """``HybridBlock.export``: MXNet saves the parameters its CachedOp was
-    built with, which a block whose calls are still pending has not built yet:
-    this thread's pending calls run first."""
-    @wraps(orig)
-    def export(self, *args, **kwargs):
-        _run_pending("export")
-        return orig(self, *args, **kwargs)
-    return export
-
-
-def _blocks_behind(heads):
-    """The names of the flagged blocks whose pending calls the lazy ``heads``
-    were computed from (the heads' own nodes are often a loss's operators)."""
-    names, seen = set(), set()
-    todo = [node_of(h) for h in heads if type(h) is LazyArray]
-    while todo:
-        n = todo.pop()
-        if type(n) is not Node or id(n) in seen:
-            continue
-        seen.add(id(n))
-        if type(n.info.op) is BlockExec:
-            names.add(n.info.name)
-        todo.extend(node_of(x) for x in n.inputs if type(x) is LazyArray)
-    return sorted(names)
-
-
-def _make_get_symbol(orig):
-    """``autograd.get_symbol``: refused, with the fix, for a lazy array: what
-    autograd recorded for it is the merged launch of every sample sharing it
-    (their inputs its arguments), not this sample's program."""
-    @wraps(orig)
-    def get_symbol(x):
-        if type(x) is LazyArray:
-            raise BatchingError(
-                "autograd.get_symbol(x): x is an output of dynamic batching, and what autograd "
-                "recorded for it is the merged launch of every sample that shared it (their "
-                "inputs are its arguments), not this sample's program. Fix: for one sample's "
-                "symbol, call the network with hybridize(dynamic_batch=False) (or unhybridized) "
-                "for that sample; to save the model, net.export(path).")
-        return orig(x)
-    return get_symbol
-
-
-def _getstate(self):
-    """``pickle`` / ``copy.deepcopy`` of a flagged block: without MXNet's
-    CachedOp, a C handle that cannot be copied (plain hybridize() fails
-    there); the copy builds its own at its first call."""
-    state = self.__dict__.copy()
-    if self._jb_cfg is not None and state.get("_cached_op") is not None:
-        state["_cached_op"] = None
-    return state
-
-
-def _make_grad(orig):
-    """``autograd.grad``: MXNet's refusal of ``create_graph=True`` through a
-    CachedOp (every flagged block's launch is one) said in jitbatch's terms,
-    with the blocks and the fix; an ``MXNetError`` still."""
-    @wraps(orig)
-    def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=False,
-             train_mode=True):
-        if not retain_graph and not create_graph and in_sample():
-            # a sample of jitbatch.map: its launches are shared with the other
-            # samples, whose gradients come next
-            retain_graph = True
-        names = ()
-        if create_graph:      # the heads' blocks, while their nodes are pending
-            names = _blocks_behind(heads if isinstance(heads, (list, tuple)) else [heads])
-        try:
-            return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
-        except MXNetError as e:
-            if not create_graph or "higher order gradients" not in str(e):
-                raise
-            raise NotDifferentiableError(
-                "autograd.grad(..., create_graph=True) reached the launches of flagged "
-                "block(s) %s: they run as hybridized graphs (CachedOps), which MXNet 1.9.1 "
-                "differentiates once only (plain hybridize() refuses alike). Fix: for a "
-                "gradient of a gradient (a gradient penalty), call these blocks with "
-                "hybridize(active=False)." % (", ".join(names) or "on its path")) from e
-    return grad
-
-
-def _waitall():
-    """``nd.waitall``: what is pending in this thread's graph runs first, so a
-    timing around it includes the work."""
-    _run_pending("waitall")
-    return _mxapi.waitall()
-
-
-def _make_seed(orig):
-    """``mx.random.seed``: the draws pending in this thread's graph are made
-    first, from the generator's state before the seed, as per sample each
-    draw is made at its call (a seed before each sample gives each the same
-    Dropout mask, as in plain Gluon)."""
-    @wraps(orig)
-    def seed(*args, **kwargs):
-        _run_pending("seed")
-        return orig(*args, **kwargs)
-    return seed
 
 
 # -- blocks ----------------------------------------------------------------------------
@@ -579,15 +434,15 @@ def install():
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", _setitem)
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
-    _set(Parameter, "initialize", _make_initialize(Parameter.initialize))
-    _set(Parameter, "reset_ctx", _make_replacing(Parameter.reset_ctx))
-    _set(Block, "register_child", _make_register_child(Block.register_child))
-    _set(Parameter, "cast", _make_replacing(Parameter.cast))
-    _set(HybridBlock, "export", _make_export(HybridBlock.export))
-    _set(_autograd, "grad", _make_grad(_autograd.grad))
-    _set(_autograd, "get_symbol", _make_get_symbol(_autograd.get_symbol))
-    _set(HybridBlock, "__getstate__", _getstate)
-    _set(_mxrandom, "seed", _make_seed(_mxrandom.seed))
+    _set(Parameter, "initialize", guards.make_initialize(Parameter.initialize))
+    _set(Parameter, "reset_ctx", guards.make_replacing(Parameter.reset_ctx))
+    _set(Block, "register_child", guards.make_register_child(Block.register_child))
+    _set(Parameter, "cast", guards.make_replacing(Parameter.cast))
+    _set(HybridBlock, "export", guards.make_export(HybridBlock.export))
+    _set(_autograd, "grad", guards.make_grad(_autograd.grad))
+    _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
+    _set(HybridBlock, "__getstate__", guards.getstate)
+    _set(_mxrandom, "seed", guards.make_seed(_mxrandom.seed))
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()
@@ -595,7 +450,7 @@ def install():
         for name in names:
             _set(owner, name, drops_mode(getattr(owner, name)))
     for name, orig, ours in (("stack", _mxapi.nd_stack, _stack),
-                             ("waitall", _mxapi.waitall, _waitall),
+                             ("waitall", _mxapi.waitall, guards.waitall),
                              ("array", _mxapi.nd_array, _array)):
         shim = wraps(orig)(ours)
         for mod in (_ndmod, _ndmod.op, _ndmod.ndarray, _ndmod.utils):

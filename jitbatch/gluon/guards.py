@@ -1,0 +1,165 @@
+"""Guards on MXNet's functions that change what pending calls read, or look
+at what they recorded: this thread's pending calls run first (a parameter
+re-initialised, moved or cast, a child block added or replaced, an export,
+a seed, ``waitall``), or the call is said in jitbatch's terms (a gradient of
+a gradient through launches, ``get_symbol`` of a merged output); pickling a
+flagged block leaves out MXNet's CachedOp. Installed by :mod:`.patch`."""
+from functools import wraps
+
+from mxnet.base import MXNetError
+
+from .. import execute
+from ..errors import BatchingError
+from ..graph import Graph, Node, current_graph
+from . import _mxapi
+from .executors import BlockExec
+from .interleave import in_sample
+from .lazy import LazyArray, NotDifferentiableError, node_of
+from .record import before_write
+
+
+def run_pending(reason):
+    """Run this thread's pending graph, if any (and not running already)."""
+    g: Graph = current_graph()
+    if g.nodes and not g.executing:
+        execute.run_graph(g, reason=reason)
+
+
+def make_initialize(orig):
+    """``Parameter.initialize``: with ``force_reinit`` MXNet drops the arrays
+    before the initializer writes new ones, so this thread's pending calls,
+    which may read them, run first (as a write to them runs them)."""
+    @wraps(orig)
+    def initialize(self, *args, **kwargs):
+        force = kwargs.get("force_reinit", args[3] if len(args) > 3 else False)
+        if force and self._data is not None:  # pylint: disable=protected-access
+            before_write(self._data[0])       # pylint: disable=protected-access
+            run_pending("write")
+        return orig(self, *args, **kwargs)
+    return initialize
+
+
+def make_replacing(orig):
+    """``Parameter.reset_ctx`` / ``cast``: MXNet replaces the parameter's
+    arrays, which recorded calls read at their launch, so this thread's
+    pending calls run first (per sample they ran at their call)."""
+    @wraps(orig)
+    def replacing(self, *args, **kwargs):
+        if self._data is not None:   # pylint: disable=protected-access
+            run_pending("write")
+        return orig(self, *args, **kwargs)
+    return replacing
+
+
+def make_register_child(orig):
+    """``Block.register_child`` (a child added, replaced by assignment, or a
+    layer added to a Sequential) of a flagged block: this thread's pending
+    calls run first, with the structure they were called with (a launch
+    traces the block as it is then)."""
+    @wraps(orig)
+    def register_child(self, block, name=None):
+        if self._jb_cfg is not None:
+            run_pending("structure")
+        return orig(self, block, name)
+    return register_child
+
+
+def make_export(orig):
+    """``HybridBlock.export``: MXNet saves the parameters its CachedOp was
+    built with, which a block whose calls are still pending has not built yet:
+    this thread's pending calls run first."""
+    @wraps(orig)
+    def export(self, *args, **kwargs):
+        run_pending("export")
+        return orig(self, *args, **kwargs)
+    return export
+
+
+def _blocks_behind(heads):
+    """The names of the flagged blocks whose pending calls the lazy ``heads``
+    were computed from (the heads' own nodes are often a loss's operators)."""
+    names, seen = set(), set()
+    todo = [node_of(h) for h in heads if type(h) is LazyArray]
+    while todo:
+        n = todo.pop()
+        if type(n) is not Node or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if type(n.info.op) is BlockExec:
+            names.add(n.info.name)
+        todo.extend(node_of(x) for x in n.inputs if type(x) is LazyArray)
+    return sorted(names)
+
+
+def make_get_symbol(orig):
+    """``autograd.get_symbol``: refused, with the fix, for a lazy array: what
+    autograd recorded for it is the merged launch of every sample sharing it
+    (their inputs its arguments), not this sample's program."""
+    @wraps(orig)
+    def get_symbol(x):
+        if type(x) is LazyArray:
+            raise BatchingError(
+                "autograd.get_symbol(x): x is an output of dynamic batching, and what autograd "
+                "recorded for it is the merged launch of every sample that shared it (their "
+                "inputs are its arguments), not this sample's program. Fix: for one sample's "
+                "symbol, call the network with hybridize(dynamic_batch=False) (or unhybridized) "
+                "for that sample; to save the model, net.export(path).")
+        return orig(x)
+    return get_symbol
+
+
+def getstate(self):
+    """``pickle`` / ``copy.deepcopy`` of a flagged block: without MXNet's
+    CachedOp, a C handle that cannot be copied (plain hybridize() fails
+    there); the copy builds its own at its first call."""
+    state = self.__dict__.copy()
+    if self._jb_cfg is not None and state.get("_cached_op") is not None:
+        state["_cached_op"] = None
+    return state
+
+
+def make_grad(orig):
+    """``autograd.grad``: MXNet's refusal of ``create_graph=True`` through a
+    CachedOp (every flagged block's launch is one) said in jitbatch's terms,
+    with the blocks and the fix; an ``MXNetError`` still."""
+    @wraps(orig)
+    def grad(heads, variables, head_grads=None, retain_graph=None, create_graph=False,
+             train_mode=True):
+        if not retain_graph and not create_graph and in_sample():
+            # a sample of jitbatch.map: its launches are shared with the other
+            # samples, whose gradients come next
+            retain_graph = True
+        names = ()
+        if create_graph:      # the heads' blocks, while their nodes are pending
+            names = _blocks_behind(heads if isinstance(heads, (list, tuple)) else [heads])
+        try:
+            return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
+        except MXNetError as e:
+            if not create_graph or "higher order gradients" not in str(e):
+                raise
+            raise NotDifferentiableError(
+                "autograd.grad(..., create_graph=True) reached the launches of flagged "
+                "block(s) %s: they run as hybridized graphs (CachedOps), which MXNet 1.9.1 "
+                "differentiates once only (plain hybridize() refuses alike). Fix: for a "
+                "gradient of a gradient (a gradient penalty), call these blocks with "
+                "hybridize(active=False)." % (", ".join(names) or "on its path")) from e
+    return grad
+
+
+def waitall():
+    """``nd.waitall``: what is pending in this thread's graph runs first, so a
+    timing around it includes the work."""
+    run_pending("waitall")
+    return _mxapi.waitall()
+
+
+def make_seed(orig):
+    """``mx.random.seed``: the draws pending in this thread's graph are made
+    first, from the generator's state before the seed, as per sample each
+    draw is made at its call (a seed before each sample gives each the same
+    Dropout mask, as in plain Gluon)."""
+    @wraps(orig)
+    def seed(*args, **kwargs):
+        run_pending("seed")
+        return orig(*args, **kwargs)
+    return seed
