@@ -4,6 +4,7 @@ re-initialised, moved or cast, a child block added or replaced, an export,
 a seed, ``waitall``), or the call is said in jitbatch's terms (a gradient of
 a gradient through launches, ``get_symbol`` of a merged output); pickling a
 flagged block leaves out MXNet's CachedOp. Installed by :mod:`.patch`."""
+import weakref
 from functools import wraps
 
 from mxnet.base import MXNetError
@@ -51,16 +52,33 @@ def make_replacing(orig):
     return replacing
 
 
+#: block -> the flagged blocks whose traced graphs hold its code (its ancestors)
+_TRACED_IN = weakref.WeakKeyDictionary()
+
+
+def note_traced(block):
+    """``block`` (flagged) was traced: its graph holds every descendant's code."""
+    def note(d):
+        if d is not block:
+            _TRACED_IN.setdefault(d, weakref.WeakSet()).add(block)
+    block.apply(note)
+
+
 def make_register_child(orig):
     """``Block.register_child`` (a child added, replaced by assignment, or a
     layer added to a Sequential) of a flagged block: this thread's pending
     calls run first, with the structure they were called with (a launch
-    traces the block as it is then)."""
+    traces the block as it is then); then the flagged ancestors whose traced
+    graphs hold the block trace again at their next call, as per sample they
+    run the new structure (MXNet clears the block's own graph only)."""
     @wraps(orig)
     def register_child(self, block, name=None):
         if self._jb_cfg is not None:
             run_pending("structure")
-        return orig(self, block, name)
+        res = orig(self, block, name)
+        for up in list(_TRACED_IN.get(self, ())):
+            up._clear_cached_op()  # pylint: disable=protected-access
+        return res
     return register_child
 
 

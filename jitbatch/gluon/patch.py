@@ -400,6 +400,7 @@ def _get_graph(self, *args):
                     "F.where." % (self.name, asked), ContractWarning, stacklevel=2)
                 raise ReadsMode(self)
             res = self._cached_graph  # pylint: disable=protected-access
+            guards.note_traced(self)
         else:
             res = _mxapi.get_graph(self, *args)
         if fresh and self._jb_cfg is not None:
