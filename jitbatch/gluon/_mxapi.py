@@ -49,6 +49,7 @@ recurrent_forward = RecurrentCell.forward
 STATEFUL_CELLS = (ZoneoutCell, VariationalDropoutCell)
 nd_stack = nd.stack
 nd_array = nd.array
+copyto = NDArray.copyto
 waitall = nd.waitall
 nd_setitem = NDArray.__setitem__
 #: MXNet's index arrays of advanced indexing (it casts them with ``astype``)

@@ -311,6 +311,23 @@ class OpExec(object):
         finish(batch, outs)
 
 
+class CopyExec(OpExec):
+    """Runs the nodes of one ``copyto`` / ``as_in_context`` signature (a lazy
+    array moved to another device): their rows gathered on the source device,
+    ONE copy to the target, each node's rows of it (a copy is elementwise)."""
+    __slots__ = ("dst",)
+
+    def __init__(self, meta, src, dst, mode):
+        OpExec.__init__(self, None, "copyto", ("elemwise", (), (), None), (), (), (meta,),
+                        (meta,), src, mode)
+        self.dst = dst
+
+    def launch(self, batch):
+        with self.ctx, _mxapi.mode_scope(self.mode):
+            out = _mxapi.copyto(gather.gather_batch(batch)[0], self.dst)
+        finish(batch, [out])
+
+
 class ConstExec(object):
     """Makes the arrays a flush's per-sample code created from Python data
     (``nd.array`` while a graph was pending, ``record.record_const``): each

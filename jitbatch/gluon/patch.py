@@ -17,7 +17,7 @@ from functools import wraps
 import numpy as np
 from mxnet import autograd as _autograd
 from mxnet.base import mx_real_t as _mx_real_t
-from mxnet.context import current_context
+from mxnet.context import Context, current_context
 
 from mxnet.gluon.block import Block, HybridBlock, SymbolBlock
 from mxnet.gluon.parameter import Parameter
@@ -40,7 +40,7 @@ from .fused import stateless
 from .interleave import in_sample
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
-from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const,
+from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const, record_copy,
                      record_filled, record_op, rows_composite, stack)
 
 _patches = []          # (owner, name, original, ours) in patch order
@@ -149,6 +149,19 @@ def _array(source_array, ctx=None, dtype=None):
                     values.dtype.kind in "biuf" and where.device_type != "cpu_pinned":
                 return record_const(g, values, where)
     return _mxapi.nd_array(source_array, ctx=ctx, dtype=dtype)
+
+
+def _copyto(self, other):
+    """``NDArray.copyto`` (and ``as_in_context``, which calls it): a pending lazy
+    array copied to another device is recorded, so that a loop moving each
+    sample's output to one device does not run the graph at every sample."""
+    if type(self) is LazyArray and isinstance(other, Context) and \
+            other.device_type != "cpu_pinned":       # pinned memory is made at once
+        g: Graph = current_graph()
+        dst = meta.device(other)
+        if g.nodes and not g.executing and dst is not self.context:
+            return record_copy(g, self, dst)
+    return _mxapi.copyto(self, other)
 
 
 def _stack(*data, **kwargs):
@@ -434,6 +447,7 @@ def install():
     _set(register, "_imperative_invoke", _invoke)
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", _setitem)
+    _set(NDArray, "copyto", _copyto)
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", guards.make_initialize(Parameter.initialize))
     _set(Parameter, "reset_ctx", guards.make_replacing(Parameter.reset_ctx))

@@ -37,7 +37,7 @@ from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
 from .meta import device, meta
 from .modes import mode
 from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
-                         exact_key, op_signature, pad_size)
+                         copy_signature, exact_key, op_signature, pad_size)
 from .sites import site, site_of
 
 _FLAT_IN = {n: [0] * n for n in range(1, 16)}   # formats of n plain array arguments
@@ -358,6 +358,22 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     if len(outs) == 1 and not output_is_list:
         return outs[0]
     return outs
+
+
+def record_copy(g, x, dst):
+    """``x.copyto(dst)`` / ``x.as_in_context(dst)`` of lazy ``x`` to another
+    device (``dst``: its Device) in the thread's graph ``g``: the copies of a
+    flush's samples run as one (``executors.CopyExec``)."""
+    m = meta(x)
+    mode_ = mode(g)
+    info = copy_signature(m, dst, mode_)
+    gr: Graph = g
+    if not gr.nodes:
+        _begin(g, None, mode_)
+    node = gr.add(info, (x,), site(), mode_)
+    out = new_lazy(node, 0, m[0], m[1], dst, None)
+    maybe_autoflush(g)
+    return out
 
 
 # -- arrays made from Python data ----------------------------------------------------

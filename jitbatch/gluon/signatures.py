@@ -31,7 +31,7 @@ from .. import config as _config
 from ..errors import BatchingError, ContractWarning
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
-from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, OpExec, infer_outputs,
+from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, infer_outputs,
                         watch_params)
 from .flags import ReadsMode, pad_names
 from .lazy import LazyArray, NotDifferentiableError
@@ -47,8 +47,8 @@ _MEASURED = {}  # block signature key without its token -> its latest SigInfo
 EXACT_ARGS = 5
 
 # signature kinds (a key's first item)
-PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN, OP, CONST = (
-    "block", "ragged", "padded", "input stage", "main stage", "op", "const")
+PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN, OP, CONST, COPY = (
+    "block", "ragged", "padded", "input stage", "main stage", "op", "const", "copy")
 BLOCK_KINDS = (PLAIN, RAGGED, PADDED, STAGE_IN, STAGE_MAIN)
 
 
@@ -144,6 +144,17 @@ def const_signature(row, dtype, ctx):
         out_meta = (((None,) + row, dtype),)
         ex = ConstExec(ctx, dtype, out_meta)
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, True, "nd.array"))
+    return info
+
+
+def copy_signature(m, dst, mode):
+    """The signature of a lazy array of meta ``m`` copied to Device ``dst``."""
+    key = (COPY, m, dst, mode)
+    info = TABLE.get(key)
+    if info is None:
+        ex = CopyExec((m[0], m[1]), m[2], dst, gradients.launch_mode(mode, True))
+        info = TABLE.add(key, lambda sid: new_info(sid, key, ex, ((m[0], m[1]),), True,
+                                                   "copyto"))
     return info
 
 
