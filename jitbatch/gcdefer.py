@@ -7,8 +7,8 @@ a third of its recording in them). While any thread's graph is pending, the
 thresholds of generations 1 and 2 are raised; generation 0 keeps its own, so
 the cyclic garbage a program makes meanwhile (even around a graph that is
 never read) is still collected as it would be. The first flush that leaves no
-graph pending restores the thresholds; so does a thread that ended with one
-(checked at the next pause or restore). ``config.defer_gc = False`` leaves the
+graph pending restores the thresholds; so does the end of a thread that left
+one pending. ``config.defer_gc = False`` leaves the
 GC alone."""
 import gc
 import threading
@@ -16,15 +16,38 @@ import threading
 #: thresholds of generations 1 and 2 while a graph is pending (Python's: 10, 10)
 OLD_GENERATIONS = 1000
 
-_lock = threading.Lock()
-_holders = {}       # id of a pending graph -> the graph
+_lock = threading.RLock()   # re-entrant: a thread's end (``_Owner.__del__``) may come in it
+_holders = {}       # id of a pending graph -> (the graph, the Thread that records it)
 _saved = [None]     # the thresholds to restore
+_owned = threading.local()
+
+
+class _Owner(object):
+    """Kept in the recording thread's local storage: freed when the thread
+    ends, it drops the thread's graph, so the thresholds come back even where
+    nothing of jitbatch runs after (a pool thread's last call left pending,
+    the process going on eagerly)."""
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+    def __del__(self):
+        try:
+            with _lock:
+                # the thread is ending: not yet counted as ended (is_alive)
+                _holders.pop(self.key, None)
+                _drop_dead_threads()
+        except Exception:  # pylint: disable=broad-except
+            pass       # the interpreter is shutting down
 
 
 def _drop_dead_threads():
+    """Drop the graphs of threads that ended (by the Thread object: a new
+    thread may get an ended one's ident) and restore the thresholds when none
+    is left."""
     if _holders:
-        alive = {t.ident for t in threading.enumerate()}
-        for k in [k for k, g in _holders.items() if g.thread not in alive]:
+        for k in [k for k, (_, t) in _holders.items() if not t.is_alive()]:
             del _holders[k]
     if not _holders and _saved[0] is not None:
         gc.set_threshold(*_saved[0])
@@ -39,7 +62,9 @@ def defer(graph):
             t = gc.get_threshold()
             _saved[0] = t
             gc.set_threshold(t[0], max(t[1], OLD_GENERATIONS), max(t[2], OLD_GENERATIONS))
-        _holders[id(graph)] = graph
+        _holders[id(graph)] = (graph, threading.current_thread())
+    if getattr(_owned, "owner", None) is None:
+        _owned.owner = _Owner(id(graph))
 
 
 def restore(graph):
@@ -50,9 +75,10 @@ def restore(graph):
 
 
 def pending():
-    """The graphs pending now, of every thread."""
+    """The graphs pending now, of every thread alive."""
     with _lock:
-        return list(_holders.values())
+        _drop_dead_threads()
+        return [g for g, _ in _holders.values()]
 
 
 def deferred():

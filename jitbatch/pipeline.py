@@ -181,9 +181,12 @@ class Pipelines(object):
         key = self._key(mode, net)   # each thread records its own graphs
         p = self.pipe.get(key)
         if p is None:
+            # threads share this dict: each step is one atomic dict operation
+            # (two evicting the same oldest pipe, or one iterating while another
+            # inserts, failed in a serving thread pool)
             if len(self.pipe) >= PIPES_KEPT:
-                del self.pipe[next(iter(self.pipe))]
-            p = self.pipe[key] = Pipe()
+                self.pipe.pop(next(iter(list(self.pipe)), None), None)
+            p = self.pipe.setdefault(key, Pipe())
         if nodes >= 2:
             p.launches = _ema(p.launches, launches)
         p.open += nodes
@@ -216,7 +219,7 @@ class Pipelines(object):
         # a graph of another mode starts here: the ended cycles of this thread's
         # other modes end now, so a training cycle does not count the evaluation
         # run between two training steps (or the other way round)
-        for (t, _, _), q in self.pipe.items():
+        for (t, _, _), q in list(self.pipe.items()):
             if t == tid and q is not p and q.last and q.end is None:
                 q.end = (now, cpu)
         if p is None or p.graph is None or not p.launches:

@@ -9,14 +9,14 @@ from functools import wraps
 
 from mxnet.base import MXNetError
 
-from .. import execute
+from .. import execute, gcdefer
 from ..errors import BatchingError
 from ..graph import Graph, Node, current_graph
 from . import _mxapi
 from .executors import BlockExec
 from .interleave import in_sample
 from .lazy import LazyArray, NotDifferentiableError, node_of
-from .record import before_write
+from .record import before_write, refuse_if_read_elsewhere
 
 
 def run_pending(reason):
@@ -80,6 +80,23 @@ def make_register_child(orig):
             up._clear_cached_op()  # pylint: disable=protected-access
         return res
     return register_child
+
+
+def make_trainer_update(orig):
+    """``Trainer.step`` / ``update``: refused, before any parameter is written,
+    while calls of another thread that read them pend (refused at the first
+    write, the optimizer had cleared the gradients' fresh flags and advanced
+    its update counts: the step done again after the fix was not plain
+    Gluon's)."""
+    @wraps(orig)
+    def update(self, *args, **kwargs):
+        mine = current_graph()
+        if any(g is not mine and g.nodes for g in gcdefer.pending()):
+            for p in self._params:  # pylint: disable=protected-access
+                for a in p._data or ():  # pylint: disable=protected-access
+                    refuse_if_read_elsewhere(a, mine)
+        return orig(self, *args, **kwargs)
+    return update
 
 
 def make_export(orig):

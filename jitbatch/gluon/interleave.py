@@ -11,6 +11,7 @@ costs one merged flush per minibatch, not one per sample. The samples record
 into the caller's graph (``graph.share``) under the caller's autograd state
 and default device; their Python side effects interleave at reads, as
 threads' do."""
+import os
 import threading
 from collections import deque
 
@@ -28,6 +29,9 @@ class _Here(threading.local):
 
 _here = _Here()
 _IDLE = []                   # workers waiting for a sample (list.pop/append: atomic)
+# a forked child has none of the parent's worker threads (a map there handed
+# its first sample to one and hung)
+os.register_at_fork(after_in_child=_IDLE.clear)
 
 
 class _Aborted(BaseException):

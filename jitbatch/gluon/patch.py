@@ -21,6 +21,7 @@ from mxnet.context import Context, current_context
 
 from mxnet.gluon.block import Block, HybridBlock, SymbolBlock
 from mxnet.gluon.parameter import Parameter
+from mxnet.gluon.trainer import Trainer
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.gluon.rnn.rnn_layer import _RNNLayer
 from mxnet.ndarray import NDArray, register
@@ -454,6 +455,8 @@ def install():
     _set(Block, "register_child", guards.make_register_child(Block.register_child))
     _set(Parameter, "cast", guards.make_replacing(Parameter.cast))
     _set(HybridBlock, "export", guards.make_export(HybridBlock.export))
+    _set(Trainer, "step", guards.make_trainer_update(Trainer.step))
+    _set(Trainer, "update", guards.make_trainer_update(Trainer.update))
     _set(_autograd, "grad", guards.make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
     _set(HybridBlock, "__getstate__", guards.getstate)

@@ -91,7 +91,7 @@ def before_write(target):
     g: Graph = current_graph()
     param = is_param(target)
     if param:
-        _refuse_if_read_elsewhere(target, g)
+        refuse_if_read_elsewhere(target, g)
     if g.nodes and not g.executing:
         _run_readers(g, target, param)
     if g.aliased:
@@ -158,7 +158,7 @@ def _param_arrays(block):
     return [a for p in block.collect_params().values() for a in (p._data or ())]  # pylint: disable=protected-access
 
 
-def _refuse_if_read_elsewhere(target, mine):
+def refuse_if_read_elsewhere(target, mine):
     """A write to parameter array ``target``: refused while calls of another
     thread that read it are pending (this thread cannot run that thread's
     graph, and they would compute with the new value)."""
