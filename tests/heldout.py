@@ -4,6 +4,7 @@ a fresh interpreter for programs that crash MXNet or leave it an error."""
 import os
 import subprocess
 import sys
+import warnings
 import zlib
 
 import numpy as np
@@ -63,14 +64,48 @@ def plain_and_flagged(make, program, flags, **kw):
     return want, got, jitbatch.stats()
 
 
+def flag(net, policy):
+    """``net`` flagged with ``policy``, or (None) run plain, unhybridized."""
+    if policy is None:
+        net.hybridize(active=False)
+    else:
+        net.hybridize(dynamic_batch=True, policy=policy)
+
+
+def both(make, program, policy="auto"):
+    """``program(nets, policy) -> list of arrays`` on fresh plain networks and
+    on fresh flagged ones (same initial values; ``make()`` returns one block
+    or a list); returns (plain, flagged, stats). ContractWarnings of the
+    flagged run are not the program's business here (tests that check them
+    catch them themselves)."""
+    want = [np.asarray(a) for a in program(make(), None)]
+    nets = make()
+    jitbatch.reset_stats()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jitbatch.ContractWarning)
+            got = [np.asarray(a) for a in program(nets, policy)]
+        jitbatch.flush()
+    finally:
+        cleanup()
+        for net in (nets if isinstance(nets, (list, tuple)) else [nets]):
+            net.hybridize(active=False)
+    return want, got, jitbatch.stats()
+
+
+def params_of(*nets):
+    """Copies of the nets' parameter values, in their parameters' order."""
+    return [p.data().asnumpy().copy() for net in nets for p in net.collect_params().values()]
+
+
 def values_of(net):
     """Copies of ``net``'s parameter values, in its parameters' order."""
     return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
-def grads_of(net):
-    """Copies of ``net``'s gradients (parameters with one), in order."""
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
+def grads_of(*nets):
+    """Copies of the nets' gradients (parameters with one), in order."""
+    return [p.grad().asnumpy().copy() for net in nets for p in net.collect_params().values()
             if p.grad_req != "null"]
 
 

@@ -42,52 +42,11 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
-from oracle import cleanup
-from heldout import merged, nothing_pending, rng_for, same_arrays  # noqa: F401
+from heldout import (both, flag, grads_of, initialized as init, merged,  # noqa: F401
+                     nothing_pending, params_of, rng_for, same_arrays)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
-
-
-def flag(net, policy):
-    if policy is None:
-        net.hybridize(active=False)
-    else:
-        net.hybridize(dynamic_batch=True, policy=policy)
-
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
-
-
-def both(make, program, policy):
-    """``program(nets, policy) -> list of arrays`` on fresh plain networks and
-    on fresh flagged ones (same initial values; ``make()`` returns one block
-    or a list); returns (plain, flagged, stats)."""
-    want = [np.asarray(a) for a in program(make(), None)]
-    nets = make()
-    jitbatch.reset_stats()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", jitbatch.ContractWarning)
-            got = [np.asarray(a) for a in program(nets, policy)]
-        jitbatch.flush()
-    finally:
-        cleanup()
-        for net in (nets if isinstance(nets, (list, tuple)) else [nets]):
-            net.hybridize(active=False)
-    return want, got, jitbatch.stats()
-
-
-def params_of(*nets):
-    return [p.data().asnumpy().copy() for net in nets for p in net.collect_params().values()]
-
-
-def grads_of(*nets):
-    return [p.grad().asnumpy().copy() for net in nets for p in net.collect_params().values()
-            if p.grad_req != "null"]
 
 
 class MLP(HybridBlock):

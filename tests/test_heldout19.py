@@ -58,40 +58,8 @@ from mxnet.gluon.contrib.estimator.event_handler import (
 
 import jitbatch
 from oracle import cleanup
-from heldout import merged, nothing_pending, rng_for, run_in_subprocess, same_arrays  # noqa: F401
-
-
-def flag(net, policy):
-    if policy is None:
-        net.hybridize(active=False)
-    else:
-        net.hybridize(dynamic_batch=True, policy=policy)
-
-
-def both(make, program, policy="auto"):
-    """``program(net, policy) -> list of arrays`` on a fresh plain network and
-    on a fresh flagged one (the same initial values); (plain, flagged, stats)."""
-    want = [np.asarray(a) for a in program(make(), None)]
-    net = make()
-    jitbatch.reset_stats()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", jitbatch.ContractWarning)
-            got = [np.asarray(a) for a in program(net, policy)]
-        jitbatch.flush()
-    finally:
-        cleanup()
-        net.hybridize(active=False)
-    return want, got, jitbatch.stats()
-
-
-def params_of(*nets):
-    return [p.data().asnumpy().copy() for net in nets for p in net.collect_params().values()]
-
-
-def grads_of(*nets):
-    return [p.grad().asnumpy().copy() for net in nets for p in net.collect_params().values()
-            if p.grad_req != "null"]
+from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
+                     rng_for, run_in_subprocess, same_arrays)
 
 
 class MLP(HybridBlock):

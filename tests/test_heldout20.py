@@ -42,7 +42,6 @@ them refused), ``net.cast`` while predictions pend (the launch failed),
 wrong parameter gradients of one launch per node ('sequential',
 ``analysis_budget=0``) from MXNet's static_alloc CachedOp.
 """
-import warnings
 
 import numpy as np
 import pytest
@@ -55,43 +54,14 @@ from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
 from oracle import cleanup
-from heldout import merged, nothing_pending, rng_for, run_in_subprocess  # noqa: F401
+from heldout import (both, flag, grads_of, initialized as init, merged,  # noqa: F401
+                     nothing_pending, params_of, rng_for, run_in_subprocess)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
 COUNTED = ("depth", "agenda")
 #: unit roundoff of each low precision (half an ulp at 1)
 EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-
-
-def flag(net, policy):
-    if policy is None:
-        net.hybridize(active=False)
-    else:
-        net.hybridize(dynamic_batch=True, policy=policy)
-
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
-
-
-def both(make, program, policy):
-    """``program(net, policy) -> list of arrays`` on a fresh plain network and
-    on a fresh flagged one (same initial values); (plain, flagged, stats)."""
-    want = [np.asarray(a) for a in program(make(), None)]
-    net = make()
-    jitbatch.reset_stats()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", jitbatch.ContractWarning)
-            got = [np.asarray(a) for a in program(net, policy)]
-        jitbatch.flush()
-    finally:
-        cleanup()
-        net.hybridize(active=False)
-    return want, got, jitbatch.stats()
 
 
 def close(want, got, what, dtype=None, ulps=8):
@@ -110,15 +80,6 @@ def close(want, got, what, dtype=None, ulps=8):
             rtol = ulps * EPS[dtype]
             atol = rtol * max(scale, 1e-3)
         np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg="%s %d" % (what, i))
-
-
-def params_of(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
-
-
-def grads_of(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
 
 
 def bf16_values(a):
