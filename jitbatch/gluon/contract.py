@@ -206,3 +206,16 @@ def crossed_rows(name, shapes, k, a, b):
             "block combines the same number of axes%s, e.g. reshape a (1, 1) argument to "
             "(1,) (a loss's sample_weight to the loss's shape), or hybridize this block "
             "without dynamic_batch." % (name, shapes, k, a, b, culprit))
+
+
+def sparse_added(block, mode):
+    """The ``Mix`` of a recorded block with a row_sparse gradient accumulated
+    (``grad_req='add'``): MXNet's sparse embedding gradient refuses to add,
+    and per sample each call's backward is its own; None otherwise."""
+    if not mode[0]:
+        return None
+    for p in block.collect_params().values():
+        if p.grad_req == "add" and p._grad_stype != "default":  # pylint: disable=protected-access
+            return Mix("Embedding", p.name, "has a row_sparse gradient accumulated "
+                                "(grad_req='add'), which MXNet's merged backward refuses")
+    return None

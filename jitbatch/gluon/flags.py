@@ -32,11 +32,13 @@ class BatchConfig(object):
             self.policy, self.budget, self.granularity)
 
 
-class ReadsMode(Exception):
-    """Raised by the tracing of a flagged block whose ``hybrid_forward`` asked
-    ``autograd.is_training()`` or ``is_recording()``: its traced graph would
-    keep the answer of its first call (plain ``hybridize()`` does), so the
-    block is left unhybridized (``block``) and the call runs as per sample."""
+class Unhybridized(Exception):
+    """Raised by the tracing of a flagged block that a traced graph cannot run
+    as per sample: its ``hybrid_forward`` asked ``autograd.is_training()`` or
+    ``is_recording()`` (the graph would keep its first call's answer, as
+    plain ``hybridize()`` does), or it makes sparse storage (a launch hands
+    out dense rows). The block is left unhybridized (``block``) and the call
+    runs as per sample, its operators recorded one by one."""
 
     def __init__(self, block):
         Exception.__init__(self, block.name)

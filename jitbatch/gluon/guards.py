@@ -87,7 +87,9 @@ def make_trainer_update(orig):
     while calls of another thread that read them pend (refused at the first
     write, the optimizer had cleared the gradients' fresh flags and advanced
     its update counts: the step done again after the fix was not plain
-    Gluon's)."""
+    Gluon's); this thread's pending calls run first (per sample they ran
+    before the step; updated on the kvstore, the parameters are written
+    through its C API, which no write hook sees)."""
     @wraps(orig)
     def update(self, *args, **kwargs):
         mine = current_graph()
@@ -95,8 +97,21 @@ def make_trainer_update(orig):
             for p in self._params:  # pylint: disable=protected-access
                 for a in p._data or ():  # pylint: disable=protected-access
                     refuse_if_read_elsewhere(a, mine)
+        run_pending("write")
         return orig(self, *args, **kwargs)
     return update
+
+
+def make_row_sparse_data(orig):
+    """``Parameter.row_sparse_data`` / ``list_row_sparse_data``: the kvstore
+    pulls the rows into the parameter's one array (through its C API, which
+    no write hook sees), so this thread's pending calls, which may read the
+    rows pulled before, run first (per sample each call ran on its rows)."""
+    @wraps(orig)
+    def pull(self, *args, **kwargs):
+        run_pending("write")
+        return orig(self, *args, **kwargs)
+    return pull
 
 
 def make_export(orig):

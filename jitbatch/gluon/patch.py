@@ -9,6 +9,7 @@ calls), MXNet's operator entry point (operators on lazy arrays),
 block whose tracing asks the autograd mode is left unhybridized). The guards
 on functions that change what pending calls read are in :mod:`.guards`; a patch
 wrapped by another library since (``amp.init``) stays at ``uninstall``."""
+import json
 import threading
 import warnings
 from sys import _getframe
@@ -36,7 +37,7 @@ from ..stats import STATS
 from . import _mxapi, guards, meta, rewrite, signatures
 from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
-from .flags import FLAG_KEYS, ReadsMode, parse_flags, renew_token
+from .flags import FLAG_KEYS, Unhybridized, parse_flags, renew_token
 from .fused import stateless
 from .interleave import in_sample
 from .lazy import LazyArray, detach
@@ -302,7 +303,7 @@ def _call(self, *args):
         elif g.passthrough and args:
             args = unpinned(args)      # run at once: as a launch would (see unpinned)
         return _mxapi.block_call(self, *args)
-    except ReadsMode as e:
+    except Unhybridized as e:
         if e.block is not self:
             raise
         return _mxapi.block_call(self, *args)     # now unhybridized: as per sample
@@ -391,28 +392,47 @@ def _trace_asking_mode(block, args):
     return asked[0] if asked else None
 
 
+def _makes_sparse(out):
+    """Why traced graph ``out`` cannot run merged because it makes sparse
+    storage (``cast_storage`` to row_sparse or csr: a launch hands out dense
+    rows), or None."""
+    text = out.tojson()
+    if '"cast_storage"' not in text:
+        return None
+    for node in json.loads(text)["nodes"]:
+        if node["op"] == "cast_storage" and \
+                node.get("attrs", {}).get("stype", "default") != "default":
+            return "its graph makes sparse storage (cast_storage to %s), and a launch " \
+                   "hands out dense rows" % node["attrs"]["stype"]
+    return None
+
+
 def _get_graph(self, *args):
     """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
     of :mod:`.rewrite` (once, when the graph is traced; every later use of the
     block's graph, merged or per sample, runs the rewritten one); one thread
-    at a time. A flagged block whose tracing asks the autograd mode is left
-    unhybridized (``ReadsMode``)."""
+    at a time. A flagged block whose tracing asks the autograd mode, or whose
+    graph makes sparse storage, is left unhybridized (``Unhybridized``)."""
     with _TRACING:
         fresh = not self._cached_graph  # pylint: disable=protected-access
         if fresh and self._jb_cfg is not None:
             asked = _trace_asking_mode(self, args)
-            if asked:
+            why = ("its hybrid_forward asks autograd.%s(), so a traced graph would keep "
+                   "the answer of its first call (plain hybridize() does)" % asked) if asked \
+                else _makes_sparse(self._cached_graph[1])  # pylint: disable=protected-access
+            if why:
                 _mxapi.clear_cached_op(self)
                 self._jb_cfg = None
                 self._active = False
                 warnings.warn(
-                    "block %s: its hybrid_forward asks autograd.%s(), so a traced graph "
-                    "would keep the answer of its first call (plain hybridize() does); it "
-                    "runs unhybridized instead: exact in every mode, its operators recorded "
-                    "one by one (they still merge). Fix, to batch it as one block: pass the "
-                    "mode in as an input array, or compute both branches and pick with "
-                    "F.where." % (self.name, asked), ContractWarning, stacklevel=2)
-                raise ReadsMode(self)
+                    "block %s: %s; it runs unhybridized instead: exact in every mode, its "
+                    "operators recorded one by one (they still merge). Fix, to batch it as "
+                    "one block: %s." % (self.name, why, "pass the mode in as an input "
+                                        "array, or compute both branches and pick with "
+                                        "F.where" if asked else "make the sparse storage "
+                                        "outside the block, from its dense output"),
+                    ContractWarning, stacklevel=2)
+                raise Unhybridized(self)
             res = self._cached_graph  # pylint: disable=protected-access
             guards.note_traced(self)
         else:
@@ -456,6 +476,9 @@ def install():
     _set(Parameter, "cast", guards.make_replacing(Parameter.cast))
     _set(HybridBlock, "export", guards.make_export(HybridBlock.export))
     _set(Trainer, "step", guards.make_trainer_update(Trainer.step))
+    _set(Parameter, "row_sparse_data", guards.make_row_sparse_data(Parameter.row_sparse_data))
+    _set(Parameter, "list_row_sparse_data",
+         guards.make_row_sparse_data(Parameter.list_row_sparse_data))
     _set(Trainer, "update", guards.make_trainer_update(Trainer.update))
     _set(_autograd, "grad", guards.make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))

@@ -22,6 +22,7 @@ import numpy as np
 from mxnet.context import Context
 from mxnet.gluon.block import Block, _flatten, _regroup
 from mxnet.ndarray import NDArray
+from mxnet.ndarray.sparse import BaseSparseNDArray
 from mxnet.symbol import Symbol
 
 from .. import config as _config
@@ -273,7 +274,9 @@ def _arguments(block, allargs):
                             "lists of them). Fix: convert it with mx.nd.array(...)."
                             % (block.name, e)) from e
     for a in flat:
-        if isinstance(a, Symbol):
+        # symbols (MXNet is tracing), or a sparse sample: run as usual, per
+        # sample (jitbatch merges dense rows only)
+        if isinstance(a, (Symbol, BaseSparseNDArray)):
             return None, None, None
     flat = [a for a in flat if a is not None]
     for a in flat:
@@ -339,8 +342,10 @@ def _outputs(outs, ofmt):
 # -- operators ------------------------------------------------------------------------
 def record_op(g, handle, ndargs, keys, vals, output_is_list):
     """Record operator ``handle`` on ``ndargs`` (at least one lazy, or inside an
-    unflagged block run on lazy arrays) in the thread's graph ``g``."""
-    if handle in VALUE_SHAPED:
+    unflagged block run on lazy arrays) in the thread's graph ``g``; run at
+    once (on computed arguments) where its output shapes depend on values,
+    it makes or reads sparse storage (jitbatch merges dense rows only)."""
+    if handle in VALUE_SHAPED or handle in _SPARSE_OPS or _any_sparse(ndargs):
         return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     mc = [meta(a) for a in ndargs]
     mode_ = mode(g)
@@ -374,6 +379,26 @@ def record_copy(g, x, dst):
     out = new_lazy(node, 0, m[0], m[1], dst, None)
     maybe_autoflush(g)
     return out
+
+
+def _any_sparse(ndargs):
+    for a in ndargs:
+        t = type(a)
+        if t is not LazyArray and t is not NDArray and isinstance(a, BaseSparseNDArray):
+            return True
+    return False
+
+
+#: operators that make sparse storage from dense arrays (their output is not
+#: rows a launch can hand out)
+_SPARSE_OPS = set()
+
+
+def _sparse_ops():
+    _SPARSE_OPS.add(_mxapi.op_handle("cast_storage"))
+
+
+_sparse_ops()
 
 
 # -- arrays made from Python data ----------------------------------------------------

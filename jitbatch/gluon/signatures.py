@@ -33,7 +33,7 @@ from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, infer_outputs,
                         watch_params)
-from .flags import ReadsMode, pad_names
+from .flags import Unhybridized, pad_names
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients
@@ -278,15 +278,16 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     ctx = check_ctx(mc, "block %s" % block.name)
     try:
         inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
-    except ReadsMode:
+    except Unhybridized:
         raise
     except Exception as e:
         raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
                             % (block.name, type(e).__name__, e)) from e
     watch_params(block)
-    for p in block.collect_params().values():   # plain Gluon's error, at the call
+    for p in block.collect_params().values():   # plain Gluon's errors, at the call
         if p._data is not None:  # pylint: disable=protected-access
-            p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
+            p.data(ctx) if p._stype != "default" else \
+                p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
     if block._in_format != fmt:  # pylint: disable=protected-access
         raise BatchingError(
             "block %s was first called with argument structure %s and now with %s; a "
@@ -412,7 +413,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                                     (2 * a[0],) + tuple(a[1:])))
     out_meta = tuple((tuple(a), _mxapi.dtype_key(t)) for a, t in zip(o1, ot))
     in_meta = tuple(zip(shapes, dtypes))
-    mix = doubled or contract.check(out, names, shapes, mode[1], mode[0])
+    mix = doubled or contract.sparse_added(block, mode) or \
+        contract.check(out, names, shapes, mode[1], mode[0])
     mode = gradients.launch_mode(mode, not mode[0] or gradients.graph_passes(out))
     if mix is not None:
         # exact only one sample at a time: each call runs as its own launch
