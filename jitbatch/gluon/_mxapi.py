@@ -30,7 +30,7 @@ from mxnet.ndarray import CachedOp, NDArray
 from mxnet.ndarray import ndarray as _nd_impl
 from mxnet.ndarray import register
 from mxnet.symbol import Symbol, var
-from mxnet.util import _NumpyArrayScope
+from mxnet.util import _NumpyArrayScope, is_np_shape, set_np_shape
 
 # -- originals, captured before jitbatch patches them ----------------------------------
 #: the entry point of every generated imperative operator (``mx.nd.*``)
@@ -299,6 +299,42 @@ def np_array_mode():
     # AttributeError inside, ~0.3 us, in every thread MXNet was not imported in)
     cur = _NP_STATE.__dict__.get("value")
     return cur is not None and cur._is_np_array  # pylint: disable=protected-access
+
+
+def np_state():
+    """This thread's NumPy-interface state (``npx.set_np``): its array scope
+    and whether shapes are NumPy's."""
+    return _NP_STATE.__dict__.get("value"), is_np_shape()
+
+
+def adopt_np(state):
+    """Make this thread's NumPy-interface state ``state`` (a ``jitbatch.map``
+    worker takes its caller's: MXNet keeps it per thread)."""
+    scope, shape = state
+    d = _NP_STATE.__dict__
+    if d.get("value") is not scope:
+        if scope is None:
+            d.pop("value", None)       # never set in this thread: MXNet's default
+        else:
+            d["value"] = scope
+    if is_np_shape() != shape:
+        set_np_shape(shape)
+
+
+_LEGACY_SCOPE = _NumpyArrayScope(False)
+
+
+class legacy_np(object):
+    """A scope with MXNet's NumPy interface off in this thread (a graph recorded
+    in legacy mode flushed where ``npx.set_np()`` is on), then back as it was."""
+    __slots__ = ("saved",)
+
+    def __enter__(self):
+        self.saved = np_state()
+        adopt_np((_LEGACY_SCOPE, False))
+
+    def __exit__(self, *exc):
+        adopt_np(self.saved)
 
 
 # -- metadata of concrete arrays -------------------------------------------------------

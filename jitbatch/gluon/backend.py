@@ -3,7 +3,7 @@
 Thin by design: gathers are planned by ``gather``, batches run by their
 signature's executor (``executors``), input stages found by ``stages``."""
 from ..execute import Backend
-from . import gather, stages
+from . import _mxapi, gather, stages
 
 
 class GluonBackend(Backend):
@@ -14,6 +14,10 @@ class GluonBackend(Backend):
         gather.prepare(batches)
 
     def launch(self, batch):
+        if _mxapi.np_array_mode():   # recorded in legacy mode: flushed in it too
+            with _mxapi.legacy_np():
+                batch[0].info.op.launch(batch)
+            return
         batch[0].info.op.launch(batch)
 
     def wait(self, batch):
@@ -25,6 +29,9 @@ class GluonBackend(Backend):
     def stages(self, info, nodes):
         if info.op.stages is False or not info.batchable:   # none, or nothing merges
             return None
+        if _mxapi.np_array_mode():
+            with _mxapi.legacy_np():
+                return stages.plan_for(info, nodes)
         return stages.plan_for(info, nodes)
 
 

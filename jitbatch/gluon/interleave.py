@@ -8,8 +8,8 @@ between them): a sample whose read needs a pending value parks there and the
 next sample runs; when no sample can go on, one flush computes what all of
 them wait for, and they go on in the order they parked. So each read point
 costs one merged flush per minibatch, not one per sample. The samples record
-into the caller's graph (``graph.share``) under the caller's autograd state
-and default device; their Python side effects interleave at reads, as
+into the caller's graph (``graph.share``) under the caller's autograd state,
+default device and NumPy-interface state; their Python side effects interleave at reads, as
 threads' do."""
 import os
 import threading
@@ -73,6 +73,7 @@ class _Run(object):
         self.owner = recorder()
         self.mode = _mxapi.autograd_state()
         self.device = _mxapi.default_device()
+        self.np = _mxapi.np_state()
         self.tasks = [_Task(self, i, x) for i, x in enumerate(items)]
         self.fresh = deque(self.tasks)   # not started yet
         self.ready = deque()             # started, can go on (parked before a flush)
@@ -160,6 +161,7 @@ class _Run(object):
             if self.aborted:
                 raise _Aborted()
             _mxapi.adopt_state(self.mode, self.device)
+            _mxapi.adopt_np(self.np)
             task.result = self.fn(*task.item)
         except _Aborted:
             pass

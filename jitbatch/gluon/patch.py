@@ -302,6 +302,8 @@ def _call(self, *args):
                     return res
         elif g.passthrough and args:
             args = unpinned(args)      # run at once: as a launch would (see unpinned)
+        if self._jb_cfg is not None and np_array_mode():
+            _traced_in_this_mode(self)
         return _mxapi.block_call(self, *args)
     except Unhybridized as e:
         if e.block is not self:
@@ -333,6 +335,13 @@ def _make_hybridize(orig):
             # nothing again its window is as long as the streak has earned (a
             # flush that merges ends the streak)
             g.passthrough = 0
+        if cfg is not None:
+            # a flagged block's own CachedOp stays dynamic: MXNet 1.9.1's static
+            # one, called again within one recording, gives wrong gradients
+            # (docs/design.rst); inference launches get static memory from jitbatch
+            kwargs.pop("static_alloc", None)
+            kwargs.pop("static_shape", None)
+            args = tuple(False if i in (2, 3) else a for i, a in enumerate(args))
         _tls.inside = True
         try:
             orig(self, active, *args, **kwargs)
@@ -407,6 +416,15 @@ def _makes_sparse(out):
     return None
 
 
+def _traced_in_this_mode(block):
+    """Drop a flagged block's traced graph if it was traced in the other mode
+    of MXNet's NumPy interface (its outputs would be of the other array type;
+    per sample each call traces nothing)."""
+    if getattr(block, "_cached_graph", None) and \
+            block.__dict__.get("_jb_np", False) != np_array_mode():
+        _clear(block)
+
+
 def _get_graph(self, *args):
     """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
     of :mod:`.rewrite` (once, when the graph is traced; every later use of the
@@ -414,8 +432,11 @@ def _get_graph(self, *args):
     at a time. A flagged block whose tracing asks the autograd mode, or whose
     graph makes sparse storage, is left unhybridized (``Unhybridized``)."""
     with _TRACING:
+        if self._jb_cfg is not None:
+            _traced_in_this_mode(self)
         fresh = not self._cached_graph  # pylint: disable=protected-access
         if fresh and self._jb_cfg is not None:
+            self.__dict__["_jb_np"] = np_array_mode()
             asked = _trace_asking_mode(self, args)
             why = ("its hybrid_forward asks autograd.%s(), so a traced graph would keep "
                    "the answer of its first call (plain hybridize() does)" % asked) if asked \

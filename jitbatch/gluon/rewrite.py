@@ -180,7 +180,9 @@ def rewrite_traced(block):
     """Apply :func:`rewrite` to ``block``'s traced graph (``_cached_graph``,
     set by MXNet's ``_get_graph``) in place; returns the counts."""
     inputs, out = block._cached_graph  # pylint: disable=protected-access
-    out, counts = rewrite(out)
+    new, counts = rewrite(out)
     if any(counts.values()):
-        block._cached_graph = (inputs, out)  # pylint: disable=protected-access
+        if type(out) is not type(new):     # traced under npx.set_np(): keep it an np symbol
+            new = new.as_np_ndarray()
+        block._cached_graph = (inputs, new)  # pylint: disable=protected-access
     return counts

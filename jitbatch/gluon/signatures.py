@@ -278,8 +278,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     ctx = check_ctx(mc, "block %s" % block.name)
     try:
         inputs, out = block._get_graph(*args)  # pylint: disable=protected-access
-    except Unhybridized:
-        raise
+    except (Unhybridized, TypeError):
+        raise        # a TypeError is the user's (plain Gluon raises it too)
     except Exception as e:
         raise BatchingError("block %s could not be traced for dynamic batching: %s: %s"
                             % (block.name, type(e).__name__, e)) from e
