@@ -28,7 +28,8 @@ import warnings
 MODULES = ("jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatch.baton",
            "jitbatch.gluon._mxapi", "jitbatch.gluon.lazy", "jitbatch.gluon.meta",
            "jitbatch.gluon.gather", "jitbatch.gluon.signatures", "jitbatch.gluon.modes",
-           "jitbatch.gluon.sites", "jitbatch.gluon.record", "jitbatch.gluon.patch")
+           "jitbatch.gluon.sites", "jitbatch.gluon.writes", "jitbatch.gluon.record",
+           "jitbatch.gluon.patch")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -151,7 +151,7 @@ class Graph(object):
         self.autograd = None   # the backend's: the thread's autograd state as last read,
         self.autograd_gen = -1  # valid while the backend's setter count is this
         self.reads = {}        # id -> what pending nodes read: concrete arrays (a write to
-                               # one runs the graph first, see record.before_write), blocks
+                               # one runs the graph first, see writes.before_write), blocks
         self.spans = None      # the memory of what reads holds, made at a write (record)
         self.aliased = []      # weak references to lazy arrays that read others' memory
                                # when computed (composites, reshape/detach views): an

@@ -2,9 +2,10 @@
 
 Its modules form a one-way stack (each imports only those listed before it):
 ``_mxapi`` (raw MXNet), ``layout``, ``modes``, ``interleave``, ``lazy``,
-``aliases``, ``meta``, ``rules``, ``axis_rules``, ``contract``, ``gradients``,
-``gather``, ``executors``, ``flags``, ``signatures``, ``stages``, ``backend``,
-``sites``, ``fused``, ``record``, ``rewrite``, ``patch``. See docs/design.rst."""
+``meta``, ``rules``, ``axis_rules``, ``contract``, ``gradients``, ``gather``,
+``executors``, ``writes``, ``flags``, ``signatures``, ``stages``, ``backend``,
+``sites``, ``fused``, ``record``, ``rewrite``, ``guards``, ``patch``. See
+docs/design.rst."""
 from .lazy import LazyArray
 from .patch import install, installed, uninstall
 

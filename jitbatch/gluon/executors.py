@@ -27,7 +27,7 @@ from .lazy import LazyArray, row_value
 
 #: id of a parameter array of a traced dynamic_batch block -> a weak reference to
 #: its Parameter: merged launches read parameters when they run, so a write to
-#: one while calls are pending runs them first (record.before_write)
+#: one while calls are pending runs them first (writes.before_write)
 PARAM_ARRAYS = {}
 
 

@@ -16,7 +16,7 @@ from . import _mxapi
 from .executors import BlockExec
 from .interleave import in_sample
 from .lazy import LazyArray, NotDifferentiableError, node_of
-from .record import before_write, refuse_if_read_elsewhere
+from .writes import before_write, refuse_if_read_elsewhere
 
 
 def run_pending(reason):

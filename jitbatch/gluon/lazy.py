@@ -357,7 +357,7 @@ def detach(arr):
 # pending lazy array is a recorded operator (a copy, so that it merges) where
 # MXNet's is a view. Either is exact only while nothing it reads is written in
 # place: the thread's graph keeps weak references to them (``Graph.aliased``),
-# and a write (``aliases.before_aliased_write``) first computes those that read the
+# and a write (``writes.before_aliased_write``) first computes those that read the
 # written memory: a composite becomes the copy MXNet's concat/stack made, a
 # reshape or detach becomes MXNet's view of its source's value.
 def track(g, la):

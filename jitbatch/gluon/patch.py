@@ -42,8 +42,9 @@ from .fused import stateless
 from .interleave import in_sample
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
-from .record import (FILLS, ROWS_OPS, before_write, record_block, record_const, record_copy,
-                     record_filled, record_op, rows_composite, stack)
+from .record import (FILLS, ROWS_OPS, record_block, record_const, record_copy, record_filled,
+                     record_op, rows_composite, stack)
+from .writes import before_write
 
 _patches = []          # (owner, name, original, ours) in patch order
 _MISSING = object()

@@ -16,24 +16,20 @@ try:
 except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
-import threading
-
 import numpy as np
 from mxnet.context import Context
-from mxnet.gluon.block import Block, _flatten, _regroup
+from mxnet.gluon.block import _flatten, _regroup
 from mxnet.ndarray import NDArray
 from mxnet.ndarray.sparse import BaseSparseNDArray
 from mxnet.symbol import Symbol
 
 from .. import config as _config
-from .. import cost, execute, gcdefer, pipeline
+from .. import cost, execute, pipeline
 from ..errors import BatchingError
 from ..graph import Composite, Graph, Node, current_graph
 from ..signature import SigInfo
 from . import _mxapi
-from .aliases import before_aliased_write
 from .backend import BACKEND
-from .executors import is_param
 from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
 from .meta import device, meta
 from .modes import mode
@@ -81,122 +77,8 @@ def _begin(g, cfg, mode_):
     gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_, gr.net)
 
 
-def before_write(target):
-    """An in-place write to ``target`` is about to run: if a pending call of this
-    thread reads it (a concrete argument, a parameter of a recorded block, a
-    lazy array), the pending graph runs first, so it computes with the value
-    it was called with, as per-sample code does (inside ``autograd.record``
-    MXNet then refuses the write, as it refuses it per sample). Composites and
-    views that read its memory when computed are computed first
-    (``aliases.before_aliased_write``)."""
-    g: Graph = current_graph()
-    param = is_param(target)
-    if param:
-        refuse_if_read_elsewhere(target, g)
-    if g.nodes and not g.executing:
-        _run_readers(g, target, param)
-    if g.aliased:
-        before_aliased_write(target)
-
-
-def _run_readers(g, target, param):
-    """``before_write``'s pending calls that read ``target``: they run first."""
-    if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
-        read = _read_while_recording(target)
-        gr: Graph = g
-        if gr.sharing is not None:
-            # a sample of jitbatch.map parks here as at a read: the flush that
-            # serves the parked samples runs every call pending now
-            gr.sharing.wait(gr.nodes[-1])
-            if gr.nodes and (param or id(target) in gr.reads or _overlaps_a_read(gr, target)):
-                execute.run_graph(g, reason="write")
-        else:
-            execute.run_graph(g, reason="write")
-        if read and _mxapi.autograd_state()[0]:
-            raise BatchingError(
-                "Inplace operations (+=, -=, x[:]=, etc) are not supported when recording "
-                "with autograd: a call recorded under autograd.record reads this lazy "
-                "array, so per sample MXNet refuses the write (the call gave the array "
-                "autograd information); merged, the call read rows gathered from it, and "
-                "jitbatch refuses the write alike. Fix: write a new array (c = c + x) "
-                "instead of changing this one in place.")
-
-
-def _overlaps_a_read(g, target):
-    """Whether ``target``'s memory overlaps an array pending calls read: a view
-    of it (``states[i:i+1]`` handed to a call, then ``states[1:2] = 0``), or an
-    array it views (``w[0][:] = v``), parameters of pending blocks included.
-    The reads' spans are made at the first write of a graph, then extended."""
-    if type(target) is LazyArray:
-        return False
-    mine = _mxapi.memory_span(target)
-    if mine is None or mine[0] == mine[1]:
-        return False
-    gr: Graph = g
-    spans = gr.spans
-    if spans is None:
-        spans = gr.spans = [0, []]
-    reads = gr.reads
-    if spans[0] < len(reads):
-        found = spans[1]
-        for v in list(reads.values())[spans[0]:]:
-            for a in (_param_arrays(v) if isinstance(v, Block) else (v,)):
-                if type(a) is not LazyArray and isinstance(a, NDArray):
-                    span = _mxapi.memory_span(a)
-                    if span is not None:
-                        found.append(span)
-        spans[0] = len(reads)
-    lo, hi = mine
-    for start, end in spans[1]:
-        if start < hi and lo < end:
-            return True
-    return False
-
-
-def _param_arrays(block):
-    """The arrays of ``block``'s parameters (every device's; none where one is
-    not initialized yet)."""
-    return [a for p in block.collect_params().values() for a in (p._data or ())]  # pylint: disable=protected-access
-
-
-def refuse_if_read_elsewhere(target, mine):
-    """A write to parameter array ``target``: refused while calls of another
-    thread that read it are pending (this thread cannot run that thread's
-    graph, and they would compute with the new value)."""
-    for other in gcdefer.pending():
-        og: Graph = other
-        if og is mine or not og.nodes or og.executing:
-            continue
-        for block in og.reads.values():
-            if isinstance(block, Block) and any(a is target for a in _param_arrays(block)):
-                raise BatchingError(
-                    "a parameter of block %s is written in thread %d while calls that read "
-                    "it are pending in thread %d: they would compute with the new value, as "
-                    "per sample they computed when called. Fix: read their outputs (or call "
-                    "jitbatch.flush()) in thread %d before another thread writes the "
-                    "parameters." % (block.name, threading.get_ident(), og.thread, og.thread))
-
-
-def _read_while_recording(target):
-    """Whether lazy ``target`` is read by a pending call recorded under
-    ``autograd.record`` (per sample, that call would have given it autograd
-    information, and MXNet would refuse an in-place write to it)."""
-    if type(target) is not LazyArray:
-        return False
-    node = target._node
-    if type(node) is not Node:
-        return False
-    n: Node = node
-    if n.batch is not None or not n.users:
-        return False
-    for u in n.users:
-        if u.mode[0]:
-            return True
-    return False
-
-
 def _note_reads(g, args):
-    """The concrete arrays among a record's arguments (see ``before_write``)."""
+    """The concrete arrays among a record's arguments (see ``writes.before_write``)."""
     gr: Graph = g
     reads = gr.reads
     for a in args:
@@ -526,7 +408,7 @@ def rows_composite(kind, ndargs, keys, vals):
 
 def _composite(g, parts, shape, dtype, ctx):
     """A lazy array of ``shape`` made of ``parts``' rows side by side, tracked
-    for writes to what it reads (``aliases``); None where it is made outside
+    for writes to what it reads (``writes``); None where it is made outside
     autograd of rows recorded under it (the caller records the operator)."""
     mode_ = mode(g)
     if not mode_[0]:

@@ -1,0 +1,212 @@
+"""In-place writes while calls are pending: what reads the written memory runs first.
+
+Per sample, a call computes with the values it was called with. A write to
+an array that a pending call reads (a concrete argument, a parameter of a
+recorded block, a lazy array) runs the thread's pending graph first
+(:func:`before_write`, from the operator and ``__setitem__`` shims); a write
+to a parameter that another thread's pending calls read is refused. A
+composite (``nd.concat`` along axis 0, ``nd.stack`` along axis 1) reads its
+parts when it is computed, and a reshape, detach or multi-axis index of a
+pending lazy array is a recorded operator (a copy, so that it merges) where
+MXNet's is a view: the thread's graph keeps weak references to them
+(``Graph.aliased``, ``lazy.track``), and those that read the written memory
+are computed first, as MXNet computed them when they were made
+(:func:`before_aliased_write`)."""
+import threading
+
+try:
+    import cython   # compiled: the local type annotations below are C declarations
+except ImportError:  # running from source without Cython installed
+    from .. import _nocython as cython  # noqa: F401
+
+from mxnet.gluon.block import Block
+from mxnet.ndarray import NDArray
+
+from .. import execute, gcdefer
+from ..errors import BatchingError, StaleValueError
+from ..graph import Composite, Graph, Node, current_graph
+from . import _mxapi
+from .executors import is_param
+from .lazy import LazyArray, k_of, node_of, value_of
+
+
+def before_aliased_write(target):
+    """An in-place write to ``target`` (concrete or lazy) is about to run: the
+    tracked lazy arrays that read its memory when computed (a composite
+    holding it, a view of it, through views: same object or overlapping
+    memory) are computed first, as MXNet computed them when they were made."""
+    g: Graph = current_graph()
+    if not g.aliased or g.executing:
+        return
+    mem = target.value() if type(target) is LazyArray else target
+    span = _mxapi.memory_span(mem) if isinstance(mem, NDArray) else None
+    if span is not None and span[0] == span[1]:
+        span = None
+    spans = {}
+    keep = []
+    hits = []
+    for r in g.aliased:
+        la = r()
+        if la is None or value_of(la) is not None:
+            continue
+        node = node_of(la)
+        hit = False
+        if type(node) is Composite:
+            for p in node.parts:
+                if _reads(p, target, span, spans):
+                    hit = True
+                    break
+        elif la._base is not None:
+            hit = _reads(la._base[0], target, span, spans)
+        if hit:
+            hits.append(la)
+        else:
+            keep.append(r)
+    g.aliased = keep
+    for la in hits:
+        try:
+            la.value()
+        except StaleValueError:
+            pass    # made of rows of a failed graph: it fails when read, as before
+
+
+def _reads(p, target, span, spans):
+    """Whether computing a value that reads ``p`` reads ``target``'s memory."""
+    while True:
+        if p is target:
+            return True
+        if type(p) is LazyArray:
+            m = value_of(p)
+            if m is None:
+                base = p._base
+                if base is not None:     # a view: it will read its source
+                    p = base[0]
+                    continue
+                node = node_of(p)
+                if type(node) is not Node or node.batch is None:
+                    return False         # pending: no memory yet, or a composite (tracked)
+                m = node.batch[k_of(p)]  # a launch's output: its rows are read
+        else:
+            m = p
+        if span is None:
+            return False
+        key = id(m)
+        mine = spans.get(key)
+        if mine is None:
+            mine = spans[key] = (_mxapi.memory_span(m) or (0, 0), m)
+        lo, hi = mine[0]
+        return lo < span[1] and span[0] < hi
+
+
+def before_write(target):
+    """An in-place write to ``target`` is about to run: if a pending call of this
+    thread reads it (a concrete argument, a parameter of a recorded block, a
+    lazy array), the pending graph runs first, so it computes with the value
+    it was called with, as per-sample code does (inside ``autograd.record``
+    MXNet then refuses the write, as it refuses it per sample). Composites and
+    views that read its memory when computed are computed first
+    (:func:`before_aliased_write`)."""
+    g: Graph = current_graph()
+    param = is_param(target)
+    if param:
+        refuse_if_read_elsewhere(target, g)
+    if g.nodes and not g.executing:
+        _run_readers(g, target, param)
+    if g.aliased:
+        before_aliased_write(target)
+
+
+def _run_readers(g, target, param):
+    """``before_write``'s pending calls that read ``target``: they run first."""
+    if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
+        read = _read_while_recording(target)
+        gr: Graph = g
+        if gr.sharing is not None:
+            # a sample of jitbatch.map parks here as at a read: the flush that
+            # serves the parked samples runs every call pending now
+            gr.sharing.wait(gr.nodes[-1])
+            if gr.nodes and (param or id(target) in gr.reads or _overlaps_a_read(gr, target)):
+                execute.run_graph(g, reason="write")
+        else:
+            execute.run_graph(g, reason="write")
+        if read and _mxapi.autograd_state()[0]:
+            raise BatchingError(
+                "Inplace operations (+=, -=, x[:]=, etc) are not supported when recording "
+                "with autograd: a call recorded under autograd.record reads this lazy "
+                "array, so per sample MXNet refuses the write (the call gave the array "
+                "autograd information); merged, the call read rows gathered from it, and "
+                "jitbatch refuses the write alike. Fix: write a new array (c = c + x) "
+                "instead of changing this one in place.")
+
+
+def _overlaps_a_read(g, target):
+    """Whether ``target``'s memory overlaps an array pending calls read: a view
+    of it (``states[i:i+1]`` handed to a call, then ``states[1:2] = 0``), or an
+    array it views (``w[0][:] = v``), parameters of pending blocks included.
+    The reads' spans are made at the first write of a graph, then extended."""
+    if type(target) is LazyArray:
+        return False
+    mine = _mxapi.memory_span(target)
+    if mine is None or mine[0] == mine[1]:
+        return False
+    gr: Graph = g
+    spans = gr.spans
+    if spans is None:
+        spans = gr.spans = [0, []]
+    reads = gr.reads
+    if spans[0] < len(reads):
+        found = spans[1]
+        for v in list(reads.values())[spans[0]:]:
+            for a in (_param_arrays(v) if isinstance(v, Block) else (v,)):
+                if type(a) is not LazyArray and isinstance(a, NDArray):
+                    span = _mxapi.memory_span(a)
+                    if span is not None:
+                        found.append(span)
+        spans[0] = len(reads)
+    lo, hi = mine
+    for start, end in spans[1]:
+        if start < hi and lo < end:
+            return True
+    return False
+
+
+def _param_arrays(block):
+    """The arrays of ``block``'s parameters (every device's; none where one is
+    not initialized yet)."""
+    return [a for p in block.collect_params().values() for a in (p._data or ())]  # pylint: disable=protected-access
+
+
+def refuse_if_read_elsewhere(target, mine):
+    """A write to parameter array ``target``: refused while calls of another
+    thread that read it are pending (this thread cannot run that thread's
+    graph, and they would compute with the new value)."""
+    for other in gcdefer.pending():
+        og: Graph = other
+        if og is mine or not og.nodes or og.executing:
+            continue
+        for block in og.reads.values():
+            if isinstance(block, Block) and any(a is target for a in _param_arrays(block)):
+                raise BatchingError(
+                    "a parameter of block %s is written in thread %d while calls that read "
+                    "it are pending in thread %d: they would compute with the new value, as "
+                    "per sample they computed when called. Fix: read their outputs (or call "
+                    "jitbatch.flush()) in thread %d before another thread writes the "
+                    "parameters." % (block.name, threading.get_ident(), og.thread, og.thread))
+
+
+def _read_while_recording(target):
+    """Whether lazy ``target`` is read by a pending call recorded under
+    ``autograd.record`` (per sample, that call would have given it autograd
+    information, and MXNet would refuse an in-place write to it)."""
+    if type(target) is not LazyArray:
+        return False
+    node = target._node
+    if type(node) is not Node:
+        return False
+    n: Node = node
+    if n.batch is not None or not n.users:
+        return False
+    for u in n.users:
+        if u.mode[0]:
+            return True
+    return False
