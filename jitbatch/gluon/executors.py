@@ -69,7 +69,7 @@ class BlockExec(object):
 
     def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None, merges=True,
                  weak=True):
-        self._block = weakref.ref(block) if weak else (lambda: block)
+        self._block = weakref.ref(block, self._dropped) if weak else (lambda: block)
         self.merges = merges  # False: its graph mixes samples (contract), one call each
         self.why = None       # where it does not merge: the ContractWarning's text
         self.fmt = fmt
@@ -87,6 +87,11 @@ class BlockExec(object):
     def block(self):
         """The block (None once it was freed)."""
         return self._block()
+
+    def _dropped(self, _):
+        # the block is freed: its static CachedOps and their buffers go with it
+        # (the signature may stay in the table for thousands more)
+        self._static = self._static_of = None
 
     def launch(self, batch):
         if not self.merges:

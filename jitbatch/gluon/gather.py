@@ -328,6 +328,8 @@ def _unit_segments(v, unit, out, views):
         per *= d
     if per == 0 or size % per:
         return False
+    if size == 0:       # an empty sample (np_shape): no rows of its own, only padding
+        return True
     view = _View(v, (size // per,) + unit)
     views[id(v)] = (v, view)
     out.append(view)
@@ -460,9 +462,10 @@ def prepare(batches):
         pad = ex.pad
         in_meta = ex.in_meta
         plans = []
+        heads = {}      # (meta, what its first value reads) -> the arguments so far
         for j, col in enumerate(cols):
             axis = None if pad is None else pad.get(j)
-            plan = _twin_plan(cols, plans, j, in_meta, pad, axis)
+            plan = _twin_plan(cols, plans, j, in_meta, pad, axis, heads)
             if plan is None:
                 plan = plan_gather(col, in_meta[j][0], lst, sizes) if axis is None else \
                     plan_padded(col, in_meta[j][0], axis, lst, sizes)
@@ -477,15 +480,27 @@ def prepare(batches):
     STATS.add(gather_ops=gathers, filler_samples=fillers)
 
 
-def _twin_plan(cols, plans, j, in_meta, pad, axis):
+def _twin_plan(cols, plans, j, in_meta, pad, axis, heads):
     """The plan of argument ``j`` taken from an earlier argument's, when ``j``
     reads the same rows of the same launches, only from another output (the
     children's cell states beside their hidden states): the same index rows,
-    other sources. None when no earlier argument is such a twin."""
+    other sources. None when no earlier argument is such a twin. Only the
+    earlier arguments whose first value reads what ``j``'s does are compared
+    (``heads``, filled in): a node of thousands of distinct arguments (an
+    ``add_n`` of its children) compared each with all before it."""
     meta = in_meta[j]
-    for i in range(j):
-        if in_meta[i] != meta or plans[i].kind == "each" or \
-                (pad is not None and pad.get(i) != axis):
+    first = cols[j][0]
+    if type(first) is LazyArray and type(node_of(first)) is Composite:
+        c: Composite = node_of(first)
+        first = c.parts[0]
+    head = (meta, id(node_of(first)) if type(first) is LazyArray else id(first))
+    earlier = heads.get(head)
+    if earlier is None:
+        heads[head] = [j]
+        return None
+    earlier.append(j)
+    for i in earlier[:-1]:
+        if plans[i].kind == "each" or (pad is not None and pad.get(i) != axis):
             continue
         kmap = {}
         if _twins(cols[i], cols[j], kmap):
