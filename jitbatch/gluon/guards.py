@@ -26,6 +26,23 @@ def run_pending(reason):
         execute.run_graph(g, reason=reason)
 
 
+def pending_first(orig, reason):
+    """``orig`` with this thread's pending calls run first (``reason``, for the
+    stats), where per sample they ran before it: ``HybridBlock.export`` (MXNet
+    saves the parameters its CachedOp was built with, which a block whose calls
+    pend has not built yet), ``mx.random.seed`` (the pending draws are made
+    from the generator's state before the seed, as per sample each at its
+    call: a seed before each sample gives each the same Dropout mask),
+    ``Parameter.row_sparse_data`` / ``list_row_sparse_data`` (the kvstore pulls
+    the rows into the parameter's one array through its C API, which no write
+    hook sees: the pending calls read the rows pulled for them)."""
+    @wraps(orig)
+    def first(*args, **kwargs):
+        run_pending(reason)
+        return orig(*args, **kwargs)
+    return first
+
+
 def make_initialize(orig):
     """``Parameter.initialize``: with ``force_reinit`` MXNet drops the arrays
     before the initializer writes new ones, so this thread's pending calls,
@@ -100,29 +117,6 @@ def make_trainer_update(orig):
         run_pending("write")
         return orig(self, *args, **kwargs)
     return update
-
-
-def make_row_sparse_data(orig):
-    """``Parameter.row_sparse_data`` / ``list_row_sparse_data``: the kvstore
-    pulls the rows into the parameter's one array (through its C API, which
-    no write hook sees), so this thread's pending calls, which may read the
-    rows pulled before, run first (per sample each call ran on its rows)."""
-    @wraps(orig)
-    def pull(self, *args, **kwargs):
-        run_pending("write")
-        return orig(self, *args, **kwargs)
-    return pull
-
-
-def make_export(orig):
-    """``HybridBlock.export``: MXNet saves the parameters its CachedOp was
-    built with, which a block whose calls are still pending has not built yet:
-    this thread's pending calls run first."""
-    @wraps(orig)
-    def export(self, *args, **kwargs):
-        run_pending("export")
-        return orig(self, *args, **kwargs)
-    return export
 
 
 def _blocks_behind(heads):
@@ -201,15 +195,3 @@ def waitall():
     timing around it includes the work."""
     run_pending("waitall")
     return _mxapi.waitall()
-
-
-def make_seed(orig):
-    """``mx.random.seed``: the draws pending in this thread's graph are made
-    first, from the generator's state before the seed, as per sample each
-    draw is made at its call (a seed before each sample gives each the same
-    Dropout mask, as in plain Gluon)."""
-    @wraps(orig)
-    def seed(*args, **kwargs):
-        run_pending("seed")
-        return orig(*args, **kwargs)
-    return seed

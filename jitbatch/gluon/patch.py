@@ -496,16 +496,15 @@ def install():
     _set(Parameter, "reset_ctx", guards.make_replacing(Parameter.reset_ctx))
     _set(Block, "register_child", guards.make_register_child(Block.register_child))
     _set(Parameter, "cast", guards.make_replacing(Parameter.cast))
-    _set(HybridBlock, "export", guards.make_export(HybridBlock.export))
+    _set(HybridBlock, "export", guards.pending_first(HybridBlock.export, "export"))
     _set(Trainer, "step", guards.make_trainer_update(Trainer.step))
-    _set(Parameter, "row_sparse_data", guards.make_row_sparse_data(Parameter.row_sparse_data))
-    _set(Parameter, "list_row_sparse_data",
-         guards.make_row_sparse_data(Parameter.list_row_sparse_data))
+    for name in ("row_sparse_data", "list_row_sparse_data"):
+        _set(Parameter, name, guards.pending_first(getattr(Parameter, name), "write"))
     _set(Trainer, "update", guards.make_trainer_update(Trainer.update))
     _set(_autograd, "grad", guards.make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
     _set(HybridBlock, "__getstate__", guards.getstate)
-    _set(_mxrandom, "seed", guards.make_seed(_mxrandom.seed))
+    _set(_mxrandom, "seed", guards.pending_first(_mxrandom.seed, "seed"))
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()
