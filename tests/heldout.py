@@ -73,18 +73,18 @@ def flag(net, policy):
 
 
 def both(make, program, policy="auto"):
-    """``program(nets, policy) -> list of arrays`` on fresh plain networks and
+    """``program(nets, policy) -> list of arrays (or strings)`` on fresh plain networks and
     on fresh flagged ones (same initial values; ``make()`` returns one block
     or a list); returns (plain, flagged, stats). ContractWarnings of the
     flagged run are not the program's business here (tests that check them
     catch them themselves)."""
-    want = [np.asarray(a) for a in program(make(), None)]
+    want = [as_result(a) for a in program(make(), None)]
     nets = make()
     jitbatch.reset_stats()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", jitbatch.ContractWarning)
-            got = [np.asarray(a) for a in program(nets, policy)]
+            got = [as_result(a) for a in program(nets, policy)]
         jitbatch.flush()
     finally:
         cleanup()
@@ -128,6 +128,25 @@ def contract_warnings(record):
 def merged(st):
     """Some launch ran more than one node."""
     return st["launches"] < st["nodes"]
+
+
+def as_result(a):
+    """A program's result as compared: a string as it is (a context, a storage
+    type), anything else as a NumPy array."""
+    return a if isinstance(a, str) else np.asarray(a)
+
+
+def same_values(want, got, what):
+    """Equal lists of arrays (same shapes, values within the suite's
+    tolerance) and strings."""
+    assert len(want) == len(got), what
+    for i, (a, b) in enumerate(zip(want, got)):
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b, "%s %d: plain Gluon %r, jitbatch %r" % (what, i, a, b)
+        else:
+            assert a.shape == b.shape, "%s %d: plain Gluon shape %s, jitbatch %s" % (
+                what, i, a.shape, b.shape)
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
 
 
 def same_arrays(want, got, what):

@@ -60,7 +60,8 @@ from mxnet.gluon import HybridBlock, nn, rnn
 
 import jitbatch
 from oracle import cleanup
-from heldout import merged, nothing_pending, rng_for, same_arrays  # noqa: F401
+from heldout import (as_result, merged, nothing_pending, rng_for, same_arrays,  # noqa: F401
+                     same_values as same)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 MERGING = ["auto", "depth", "agenda"]
@@ -89,33 +90,19 @@ def both(make, program, policy):
     """``program(net, policy) -> list of arrays (or strings)`` on a fresh plain
     network and on a fresh flagged one (same initial values); returns (plain,
     flagged, stats of the flagged run)."""
-    want = [_np(a) for a in program(make(), None)]
+    want = [as_result(a) for a in program(make(), None)]
     Context._default_ctx.value = Context("cpu", 0)  # pylint: disable=protected-access
     net = make()
     jitbatch.reset_stats()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", jitbatch.ContractWarning)
-            got = [_np(a) for a in program(net, policy)]
+            got = [as_result(a) for a in program(net, policy)]
         jitbatch.flush()
     finally:
         cleanup()
         net.hybridize(active=False)
     return want, got, jitbatch.stats()
-
-
-def _np(a):
-    return a if isinstance(a, str) else np.asarray(a)
-
-
-def same(want, got, what):
-    """Equal lists of arrays and strings (contexts, said as strings)."""
-    assert len(want) == len(got), what
-    for i, (a, b) in enumerate(zip(want, got)):
-        if isinstance(a, str) or isinstance(b, str):
-            assert a == b, "%s %d: plain Gluon %r, jitbatch %r" % (what, i, a, b)
-        else:
-            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
 
 
 def grads_per_ctx(net):

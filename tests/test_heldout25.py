@@ -44,7 +44,6 @@ HybridBlock refused at the read instead of at the call. Kept as a strict
 expected failure (docs/errors.rst, Known differences): rows of samples left
 out of the loss updated by lazy updates.
 """
-import warnings
 
 import numpy as np
 import pytest
@@ -55,7 +54,8 @@ from mxnet.gluon.contrib import nn as cnn
 
 import jitbatch
 from oracle import cleanup
-from heldout import merged, nothing_pending, rng_for  # noqa: F401
+from heldout import (as_result, both, flag, merged, nothing_pending, rng_for,  # noqa: F401
+                     same_values as same)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -70,52 +70,10 @@ C0, C1 = mx.cpu(0), mx.cpu(1)
 V, D = 16, 4
 
 
-def flag(net, policy):
-    if policy is None:
-        net.hybridize(active=False)
-    else:
-        net.hybridize(dynamic_batch=True, policy=policy)
-
-
 def init(net, seed=0, ctx=None):
     mx.random.seed(seed)
     net.initialize(mx.init.Uniform(0.5), ctx=ctx)
     return net
-
-
-def both(make, program, policy):
-    """``program(net, policy) -> list of arrays (or strings)`` on a fresh plain
-    network and on a fresh flagged one (same initial values); returns (plain,
-    flagged, stats of the flagged run)."""
-    want = [_np(a) for a in program(make(), None)]
-    net = make()
-    jitbatch.reset_stats()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", jitbatch.ContractWarning)
-            got = [_np(a) for a in program(net, policy)]
-        jitbatch.flush()
-    finally:
-        cleanup()
-        for n in (net if isinstance(net, (list, tuple)) else [net]):
-            n.hybridize(active=False)
-    return want, got, jitbatch.stats()
-
-
-def _np(a):
-    return a if isinstance(a, str) else np.asarray(a)
-
-
-def same(want, got, what):
-    """Equal lists of arrays (same shapes) and strings (storage types)."""
-    assert len(want) == len(got), what
-    for i, (a, b) in enumerate(zip(want, got)):
-        if isinstance(a, str) or isinstance(b, str):
-            assert a == b, "%s %d: plain Gluon %r, jitbatch %r" % (what, i, a, b)
-        else:
-            assert a.shape == b.shape, "%s %d: plain Gluon shape %s, jitbatch %s" % (
-                what, i, a.shape, b.shape)
-            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
 
 
 def grads(net):
@@ -583,7 +541,7 @@ def test_accumulated_row_sparse_gradients_merged(policy):
     finally:
         cleanup()
         net.hybridize(active=False)
-    same([_np(a) for a in want], [_np(a) for a in got], "grad_req='add' under %s" % policy)
+    same([as_result(a) for a in want], [as_result(a) for a in got], "grad_req='add' under %s" % policy)
 
 
 # -- 5. samples recorded but left out of the loss -------------------------------------------
