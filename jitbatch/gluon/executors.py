@@ -23,6 +23,7 @@ from . import _mxapi, gather
 from .axis_rules import RANDOM
 from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
+from .meta import compute_context
 
 
 #: id of a parameter array of a traced dynamic_batch block -> a weak reference to
@@ -182,8 +183,8 @@ def unpinned(arrays):
     for a in arrays:
         m = _mxapi.concrete_meta(a)
         if m is not None and m[2][0] == _PINNED:
-            return [x.as_in_context(Context("cpu", x.context.device_id))
-                    if x.context.device_type == "cpu_pinned" else x for x in arrays]
+            return [x.as_in_context(compute_context(x.context)) if isinstance(x, nd.NDArray)
+                    else x for x in arrays]
     return arrays
 
 

@@ -78,10 +78,10 @@ def meta(a):
         shape, dtype, dev = fast
         c = _DEVICES.get(dev)
         if c is None:
-            c = _DEVICES[dev] = device(_unpinned(a.context))
+            c = _DEVICES[dev] = device(compute_context(a.context))
         m = (shape, dtype, c)
     else:
-        m = (a.shape, a.dtype, device(_unpinned(a.context)))
+        m = (a.shape, a.dtype, device(compute_context(a.context)))
     # small arrays only: the cache keeps them alive, and a sample's input of
     # megabytes, dropped by the user, must be freed (at most 512 x SMALL values)
     n = 1
@@ -94,7 +94,7 @@ def meta(a):
     return m
 
 
-def _unpinned(ctx):
+def compute_context(ctx):
     """The device an operator on an array in ``ctx`` computes on: the CPU for
     pinned memory (MXNet: "pinned context doesn't propagate"; an operator's
     output is never pinned), so a pinned sample's outputs are on the CPU and

@@ -147,7 +147,7 @@ def _array(source_array, ctx=None, dtype=None):
                 values = None
             where = ctx or current_context()
             # pinned memory is made at once: a pending value would be on the
-            # CPU (what operators on pinned arrays compute on, meta._unpinned)
+            # CPU (what operators on pinned arrays compute on, meta.compute_context)
             if values is not None and values.ndim and values.size and \
                     values.dtype.kind in "biuf" and where.device_type != "cpu_pinned":
                 return record_const(g, values, where)
@@ -497,10 +497,10 @@ def install():
     _set(Block, "register_child", guards.make_register_child(Block.register_child))
     _set(Parameter, "cast", guards.make_replacing(Parameter.cast))
     _set(HybridBlock, "export", guards.pending_first(HybridBlock.export, "export"))
-    _set(Trainer, "step", guards.make_trainer_update(Trainer.step))
     for name in ("row_sparse_data", "list_row_sparse_data"):
         _set(Parameter, name, guards.pending_first(getattr(Parameter, name), "write"))
-    _set(Trainer, "update", guards.make_trainer_update(Trainer.update))
+    for name in ("step", "update"):
+        _set(Trainer, name, guards.make_trainer_update(getattr(Trainer, name)))
     _set(_autograd, "grad", guards.make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
     _set(HybridBlock, "__getstate__", guards.getstate)

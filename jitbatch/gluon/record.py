@@ -273,14 +273,7 @@ def _any_sparse(ndargs):
 
 #: operators that make sparse storage from dense arrays (their output is not
 #: rows a launch can hand out)
-_SPARSE_OPS = set()
-
-
-def _sparse_ops():
-    _SPARSE_OPS.add(_mxapi.op_handle("cast_storage"))
-
-
-_sparse_ops()
+_SPARSE_OPS = {_mxapi.op_handle("cast_storage")}
 
 
 # -- arrays made from Python data ----------------------------------------------------

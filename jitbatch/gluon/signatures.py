@@ -285,9 +285,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                             % (block.name, type(e).__name__, e)) from e
     watch_params(block)
     for p in block.collect_params().values():   # plain Gluon's errors, at the call
-        if p._data is not None:  # pylint: disable=protected-access
-            p.data(ctx) if p._stype != "default" else \
-                p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
+        if p._data is None:  # pylint: disable=protected-access
+            continue
+        if p._stype != "default":  # pylint: disable=protected-access
+            p.data(ctx)      # "use row_sparse_data()"
+        else:
+            p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
     if block._in_format != fmt:  # pylint: disable=protected-access
         raise BatchingError(
             "block %s was first called with argument structure %s and now with %s; a "
