@@ -251,7 +251,8 @@ class Model(object):
         # a merging policy's estimates change only when it runs: one never run
         # runs once early (from the second choice: the first flush pays
         # first-call costs), so a prior cannot exclude it, and one not run for
-        # REPROBE flushes runs once, so one slow flush cannot exclude it for good
+        # REPROBE flushes (REPROBE_FEW while measured on fewer than three) runs
+        # once, so one slow flush cannot exclude it for long
         self.choices += 1
         for p in ("agenda", "depth"):
             if p == best or p not in allowed:
@@ -259,8 +260,11 @@ class Model(object):
             if p not in self.ran and self.choices >= 2:
                 best, why = p, "measured for the first time"
                 break
-            if self.choices - self.ran.get(p, 0) > REPROBE:
-                best, why = p, "measured again (not run for %d flushes)" % REPROBE
+            # an estimate from fewer than three flushes (the median needs three)
+            # may be one flush's outlier: re-measured sooner
+            wait = REPROBE if len(self.analysis_recent.get(p, ())) >= 3 else REPROBE_FEW
+            if self.choices - self.ran.get(p, 0) > wait:
+                best, why = p, "measured again (not run for %d flushes)" % wait
                 break
         self.ran[best] = self.choices
         return best, why, {p: {"analysis": a, "execute": e} for p, (a, e) in pred.items()}, len(groups)
@@ -330,5 +334,7 @@ class Model(object):
 ANALYSIS_KEEP = 8
 #: choices after which a merging policy not chosen meanwhile runs once again
 REPROBE = 32
+#: the same for a policy measured on fewer than three flushes
+REPROBE_FEW = 4
 PASSTHROUGH_CAP = 4096   # most calls run eagerly between two re-checks (grown windows)
 MODEL = Model()

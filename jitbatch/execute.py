@@ -90,7 +90,7 @@ _FIRST_PLANNED = 2   # launches whose gathers are planned before the first launc
 class _Flush(object):
     """What one flush decided and measured, passed from phase to phase."""
     __slots__ = ("policy", "chosen", "why", "predicted", "groups", "looked", "stages",
-                 "staged", "batches", "padding", "units", "calibrate", "done",
+                 "staged", "setup", "batches", "padding", "units", "calibrate", "done",
                  "analysis", "execution")
 
     def __init__(self, policy):
@@ -99,6 +99,7 @@ class _Flush(object):
         self.looked = True
         self.stages = None
         self.staged = 0
+        self.setup = 0.0    # seconds of once-per-signature work (stage plans) in the analysis
         self.padding = self.units = None
         self.calibrate = False
         self.done = 0
@@ -204,7 +205,8 @@ def _split_stages(f, nodes, backend, granularity, budget):
         return nodes
     n0 = len(nodes)
     groups = cost.MODEL.last_groups if f.policy == "auto" else cost.Model.depth_groups(nodes)
-    nodes, f.stages = _granularity(nodes, backend, gran, f.chosen, budget, f.calibrate, groups)
+    nodes, f.stages, f.setup = _granularity(nodes, backend, gran, f.chosen, budget, f.calibrate,
+                                            groups)
     f.staged = len(nodes) - n0
     return nodes
 
@@ -301,8 +303,11 @@ def _sites(batch, limit=3):
 def _learn(f, graph, nodes, reason):
     """Phase 5 under 'auto': the cost model, the pipelined-chunk search and the
     passthrough window learn from this flush."""
-    # a flush that did not look at its graph measured no analysis
-    cost.MODEL.observe(f.chosen, (len(nodes) - f.staged) if f.looked else 0, f.analysis,
+    # a flush that did not look at its graph measured no analysis; a signature's
+    # stage plan is made once (its first flush), not per node: the policy that
+    # flush ran was once priced 20x its cost per node, and not chosen again
+    cost.MODEL.observe(f.chosen, (len(nodes) - f.staged) if f.looked else 0,
+                       max(f.analysis - f.setup, 0.0),
                        len(f.batches), f.execution, f.groups, calibrated=f.calibrate,
                        staged=bool(f.staged))
     if nodes and not graph.unpiped:
@@ -397,8 +402,10 @@ def _granularity(nodes, backend, granularity, policy, budget, calibrate, groups)
     depths are considered (at one depth, splitting merges nothing more); they
     are found from the flush's depth groups ``groups`` ({(depth, signature):
     [first node, count]}), so a flush that splits nothing does not visit its
-    nodes. Returns the nodes (input stage nodes inserted before their calls)
-    and the report for stats: per considered signature, the choice and why."""
+    nodes. Returns the nodes (input stage nodes inserted before their calls),
+    the report for stats (per considered signature, the choice and why) and
+    the seconds spent getting the signatures' stage plans (made on a
+    signature's first flush, kept after)."""
     per = {}
     for (d, info), (_, count) in groups.items():
         c = per.get(info)
@@ -408,10 +415,14 @@ def _granularity(nodes, backend, granularity, policy, budget, calibrate, groups)
             c[d] = count
     report = {}
     plans = {}
+    setup = 0.0
+    clock = time.perf_counter
     for info, depths in per.items():
         if len(depths) < 2:
             continue
+        t0 = clock()
         plan = backend.stages(info, nodes)
+        setup += clock() - t0
         if plan is None:
             continue
         if granularity == "split":
@@ -426,7 +437,7 @@ def _granularity(nodes, backend, granularity, policy, budget, calibrate, groups)
         if use:
             plans[info] = plan
     if not plans:
-        return nodes, report or None
+        return nodes, report or None, setup
     out = []
     for n in nodes:
         plan = plans.get(n.info)
@@ -440,4 +451,4 @@ def _granularity(nodes, backend, granularity, policy, budget, calibrate, groups)
         n.inputs = tuple([ins[i] for i in plan.late]) + plan.refs(a)
         out.append(a)
         out.append(n)
-    return out, report
+    return out, report, setup

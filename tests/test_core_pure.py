@@ -228,3 +228,58 @@ def test_a_policy_not_chosen_for_a_while_is_measured_again():
     assert got[cost.REPROBE] == ("agenda", "measured again (not run for %d flushes)"
                                  % cost.REPROBE)
     assert got[cost.REPROBE + 1][0] == "depth"
+
+
+def test_a_policy_measured_once_is_measured_again_soon():
+    """Until 2026-11-26 a policy measured on one flush kept that flush's price
+    for REPROBE (32) flushes: a first flush that paid one-time costs made the
+    zoo's attention model run 'depth' on every inference flush after it, 1.6x
+    slower per minibatch than the agenda it never tried again. A policy
+    measured on fewer than three flushes runs again after REPROBE_FEW."""
+    table = SignatureTable()
+    nodes = list(_tree_graph(4, 3, table).nodes)
+    m = cost.Model()
+    m.agenda_ratio = 1.0                               # no launch saved: analysis decides
+    m.observe("agenda", len(nodes), 1.0 * len(nodes), 3, 0.01, 3)   # one slow first flush
+    m.observe("depth", len(nodes), 5e-6 * len(nodes), 3, 0.01, 3)
+    m.ran["agenda"] = 0
+    got = [m.choose(nodes, None)[:2] for _ in range(cost.REPROBE_FEW + 2)]
+    assert [p for p, _ in got[:cost.REPROBE_FEW]] == ["depth"] * cost.REPROBE_FEW
+    assert got[cost.REPROBE_FEW] == ("agenda", "measured again (not run for %d flushes)"
+                                     % cost.REPROBE_FEW)
+    for _ in range(2):                                 # fast from now on
+        m.observe("agenda", len(nodes), 1e-6 * len(nodes), 3, 0.01, 3)
+    assert m.choose(nodes, None)[0] == "agenda"        # the median of three
+
+
+class _SlowPlans(FakeBackend):
+    """A backend whose stage plan of a signature takes 50 ms the first time it
+    is asked (once per signature, as the Gluon backend's), and finds none."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = set()
+
+    def stages(self, info, nodes):
+        if info not in self.asked:
+            self.asked.add(info)
+            __import__("time").sleep(0.05)
+        return None
+
+
+def test_a_stage_plan_made_once_is_not_priced_per_node(monkeypatch):
+    """Until 2026-11-26 the seconds a flush spent making its signatures' stage
+    plans (once per signature: 35 ms on the attention model's first flush)
+    counted as the policy's analysis per node, 20x its cost; they are left out
+    of what the cost model learns (the flush's stats still show them)."""
+    monkeypatch.setattr(cost, "MODEL", cost.Model())
+    table = SignatureTable()
+    g = _tree_graph(5, 4, table)
+    n = len(g.nodes)
+    be = _SlowPlans()
+    flush(g, be, policy="auto")
+    assert be.asked                         # the plan was asked for (at two or more depths)
+    (policy, per_node), = [(p, r[-1]) for p, r in cost.MODEL.analysis_recent.items()]
+    assert per_node * n < 0.025, (policy, per_node * n)
+    from jitbatch.stats import STATS
+    assert STATS.snapshot()["last_flush"]["analysis_seconds"] >= 0.05
