@@ -67,6 +67,7 @@ class BlockExec(object):
                  "stages", "merges", "why", "_static", "_static_of")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
+    variadic = False  # its calls have the signature's inputs (OpExec: a sum's may not)
 
     def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None, merges=True,
                  weak=True):
@@ -267,13 +268,14 @@ class OpExec(object):
     """Runs the nodes of one operator signature by its batching rule ``rule``
     (``rules.rule_for``; None: one call per node)."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "ctx", "mode", "checked")
+                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
     gathers = True
 
-    def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx, mode):
+    def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx, mode,
+                 variadic=False):
         self.handle = handle
         self.name = name
         self.kind = rule[0] if rule else None
@@ -285,6 +287,13 @@ class OpExec(object):
         self.ctx = ctx
         self.mode = mode
         self.checked = False
+        # a sum of any number of inputs (signatures._variadic_sum): its calls
+        # differ in arity, the batch's shorter ones padded (gather.prepare)
+        self.variadic = variadic
+
+    def _vals(self, count):
+        """The call's attribute values for ``count`` inputs (a variadic sum's)."""
+        return [str(count) if k == "num_args" else v for k, v in zip(self.keys, self.vals)]
 
     def launch(self, batch):
         n = len(batch)
@@ -292,7 +301,8 @@ class OpExec(object):
             if self.kind is None:
                 for node in batch:
                     args = [row_value(x) if type(x) is LazyArray else x for x in node.inputs]
-                    outs = _mxapi.run_op(self.handle, args, self.keys, self.vals)
+                    outs = _mxapi.run_op(self.handle, args, self.keys,
+                                         self._vals(len(args)) if self.variadic else self.vals)
                     node.row = 0
                     node.group.size = 1
                     finish([node], outs)
@@ -300,7 +310,8 @@ class OpExec(object):
             ins = gather.gather_batch(batch)
             if n == 1 or self.kind == "elemwise":
                 # one sample's flat layout is its own shape: the call as recorded
-                outs = _mxapi.run_op(self.handle, ins, self.keys, self.vals)
+                outs = _mxapi.run_op(self.handle, ins, self.keys,
+                                     self._vals(len(ins)) if self.variadic else self.vals)
             elif self.kind == "reshape":
                 outs = [nd.reshape(ins[0], shape=flat_shape(self.out_meta[0][0], n))]
             else:

@@ -14,6 +14,7 @@ try:
 except ImportError:  # running from source without Cython installed
     from .. import _nocython as cython
 
+from mxnet import autograd
 from mxnet import ndarray as nd
 
 from .. import config as _config
@@ -339,13 +340,21 @@ def _unit_segments(v, unit, out, views):
 _ZEROS = {}
 
 
-def _zeros(rows, unit, dtype, ctx):
+def _zeros(rows, unit, dtype, ctx, value=0.0):
     """A constant block of at least ``rows`` zero rows (cached per row shape,
-    dtype and context; never written, so launches may read it concurrently)."""
-    key = (unit, np.dtype(dtype).name, ctx)
+    dtype, context and ``value``, 0.0 or -0.0; never written, so launches may
+    read it concurrently)."""
+    negative = value == 0.0 and np.signbit(value)
+    key = (unit, np.dtype(dtype).name, ctx, bool(negative))
     z = _ZEROS.get(key)
     if z is None or z.shape[0] < rows:
-        z = _ZEROS[key] = _mxapi.zeros((max(rows, 8),) + unit, ctx, dtype)
+        shape = (max(rows, 8),) + unit
+        z = _mxapi.zeros(shape, ctx, dtype)
+        if negative:
+            with autograd.pause():      # a constant, whatever the flush's recording state
+                z = _mxapi.invoke(_mxapi.op_handle("negative"), [z], [], [], None, False,
+                                  False)
+        _ZEROS[key] = z
     return z
 
 
@@ -411,7 +420,8 @@ def run_gather(plan, index_nd):
     else:
         # mixed producers whose row shapes differ (e.g. a squeezed view beside a
         # plain array): bring each sample to its own array, then concatenate
-        parts = [row_value(v) if type(v) is LazyArray else v for v in plan.values]
+        parts = [row_value(v) if type(v) is LazyArray else
+                 _mxapi.rows(v.zeros, 0, v.count) if type(v) is _Pad else v for v in plan.values]
         if plan.pad is not None:
             parts = [_padded(p, v.shape, plan.pad) for p, v in zip(parts, plan.values)]
         elif len(parts[0].shape) != len(plan.want):   # squeezed views: one row each
@@ -443,7 +453,14 @@ def prepare(batches):
         if not info.batchable or not ex.gathers:
             continue
         lst = index.setdefault(ex.ctx, [])
-        cols = list(zip(*[n.inputs for n in batch]))   # per argument: its values
+        in_meta = ex.in_meta
+        if ex.variadic:
+            # a sum over calls of different arity: the shorter ones' missing
+            # inputs read -0.0 rows (x + -0.0 is x); every input of the first's meta
+            cols = _padded_columns(batch, in_meta[0])
+            in_meta = (in_meta[0],) * len(cols)
+        else:
+            cols = list(zip(*[n.inputs for n in batch]))   # per argument: its values
         if steps and ex.rounds:
             # a block launch runs a size already seen (see config.row_buckets):
             # filler samples, copies of the first, whose outputs nobody reads;
@@ -460,7 +477,6 @@ def prepare(batches):
                         g.rows = g.size * r
                     fillers += extra
         pad = ex.pad
-        in_meta = ex.in_meta
         plans = []
         heads = {}      # (meta, what its first value reads) -> the arguments so far
         for j, col in enumerate(cols):
@@ -478,6 +494,23 @@ def prepare(batches):
     for first in planned:
         first.plan = (first.plan, arrays.get(first.info.op.ctx))
     STATS.add(gather_ops=gathers, filler_samples=fillers)
+
+
+def _padded_columns(batch, meta):
+    """Per argument position, every node's input there, up to the batch's
+    largest arity; a node with fewer inputs reads a run of -0.0 rows (one
+    cached constant) of its inputs' per-sample shape ``meta[0]``."""
+    k = 0
+    for n in batch:
+        if len(n.inputs) > k:
+            k = len(n.inputs)
+    shape = meta[0]
+    first = batch[0]
+    ctx = first.info.op.ctx
+    z = _zeros(shape[0], tuple(shape[1:]), meta[1], ctx, -0.0)
+    fill = _Pad(z, shape[0], tuple(z.shape))
+    return [tuple([n.inputs[j] if j < len(n.inputs) else fill for n in batch])
+            for j in range(k)]
 
 
 def _twin_plan(cols, plans, j, in_meta, pad, axis, heads):

@@ -164,6 +164,31 @@ def copy_signature(m, dst, mode):
 #: arguments (the shapes a signature would fix came from zeros)
 VALUE_SHAPED = set()
 _RESHAPES = ("Reshape", "reshape")
+#: operators summing any number of equally shaped inputs: calls of different
+#: arity share a signature and a launch, the shorter padded with -0.0 (x + -0.0
+#: is x in IEEE arithmetic, -0.0 and NaN included). MXNet 1.9.1 sums 3 or 4
+#: inputs right to left (a + (b + c)) and 5 or more left to right, so sums of
+#: up to 4 inputs and sums of 5 or more are two signatures: within each, the
+#: padded sums are the per-sample sums bit for bit (tests/test_variadic_sums.py)
+_SUMS = ("add_n", "ElementWiseSum")
+_SUM_HANDLES = []
+_SHORT_SUM = 4
+
+
+def _variadic_sum(handle, keys, metas):
+    """For a sum of equally shaped inputs, its arity class in the signature
+    key ('short' up to _SHORT_SUM inputs, else 'long'); False for any other call."""
+    if not _SUM_HANDLES:
+        _SUM_HANDLES.extend(_mxapi.op_handle(n) for n in _SUMS)
+    if handle not in _SUM_HANDLES:
+        return False
+    first = metas[0]
+    if first[0] is None or not first[0] or first[0][0] is None:
+        return False
+    for m in metas:
+        if m != first:
+            return False
+    return "short" if len(metas) <= _SHORT_SUM else "long"
 
 
 def op_signature(handle, keys, vals, metas, mode, output_is_list):
@@ -174,9 +199,16 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         hash(vkey)
     except TypeError:
         vkey = tuple(str(v) for v in vals)
+    variadic = _variadic_sum(handle, keys, metas)
+    kmetas = metas
+    if variadic:
+        if "num_args" in keys:      # (MXNet counts the inputs where it is not given)
+            at = list(keys).index("num_args")
+            vkey = vkey[:at] + (None,) + vkey[at + 1:]
+        kmetas = metas[:1]
     # every argument's context is in the key (as for blocks), so a call mixing
     # contexts never reuses a signature whose first call passed the check
-    key = (OP, handle, tuple(keys), vkey, tuple(metas), mode, output_is_list)
+    key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, variadic)
     info = TABLE.get(key)
     if info is None:
         shapes = tuple((m[0], m[1]) for m in metas)
@@ -208,7 +240,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         attrs = dict(zip(keys, svals))
         passing = any(gradients.passes(name, k, attrs) for k in range(len(metas)))
         ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx,
-                    gradients.launch_mode(mode, passing))
+                    gradients.launch_mode(mode, passing), bool(variadic))
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, rule is not None,
                                                    name))
     return info
