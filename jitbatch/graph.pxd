@@ -9,7 +9,7 @@ from jitbatch.signature cimport SigInfo
 cdef class Node:
     cdef public SigInfo info
     cdef public object inputs, depth, site, mode, batch, error, graph, group
-    cdef public object plan, rows, users
+    cdef public object plan, rows, users, lifted
     cdef public Py_ssize_t row, seq, off, wait, height, pad
 
 

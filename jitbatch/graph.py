@@ -25,12 +25,13 @@ class Node(object):
 
     ``inputs`` holds the call's tensor arguments as given (lazy Refs or concrete
     arrays), ``depth`` is 1 + the deepest pending producer, ``site`` a cheap call
-    site for error messages (``pad``: see ``SigInfo.pad_axes``). After
-    execution ``batch`` holds the launch's outputs (flat batched arrays) and
-    ``row`` this node's position in them."""
+    site for error messages (``pad``: see ``SigInfo.pad_axes``; ``lifted``: the
+    value of an attribute its signature leaves out, e.g. the scalar of ``x /
+    n``). After execution ``batch`` holds the launch's outputs (flat batched
+    arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
                  "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait", "height",
-                 "pad")
+                 "pad", "lifted")
 
     def __init__(self, info, inputs, depth, site, mode, graph, seq, rows=None):
         self.info = info
@@ -51,6 +52,7 @@ class Node(object):
         self.wait = 0       # reads of pending producers (scheduling counts them down)
         self.height = 1     # longest path to a sink (computed by the agenda)
         self.pad = 0        # a zero-padded signature's node: its size along the padded axes
+        self.lifted = None  # its value of the attribute its signature leaves out, if any
 
     def __repr__(self):
         state = "done" if self.batch is not None else ("failed" if self.error else "pending")

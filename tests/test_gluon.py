@@ -1414,3 +1414,41 @@ def test_a_budget_that_keeps_auto_from_batching_is_reported_once_with_the_budget
         ys = [net(x) for x in xs]
         ys[-1].asnumpy()
     assert jitbatch.stats()["launches"] < 3 * len(xs), jitbatch.stats()
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto", "sequential"])
+def test_operators_called_by_an_alias_find_their_batching_rule(policy):
+    """Until 2026-11-26 an operator's name was whichever of its aliases MXNet
+    listed last: ``nd.Activation`` was '_npx_activation', ``nd.maximum`` with a
+    number '_npi_maximum_scalar', ``nd.Dropout`` '_npx_dropout', and the rule
+    table (keyed by registered names) had no entry for them, so their calls
+    between blocks ran one launch per sample. The name is now the registered
+    one whichever alias the program calls (``_mxapi.op_name``); each of
+    these is one launch for all samples, with plain Gluon's values and
+    gradients."""
+    from jitbatch.gluon import _mxapi
+    assert _mxapi.op_name(_mxapi.op_handle("_npx_activation")) == "Activation"
+    assert _mxapi.op_name(_mxapi.op_handle("Activation")) == "Activation"
+    net = nn.Dense(4, in_units=3)
+    net.initialize(mx.init.Uniform(0.5))
+    rng = np.random.default_rng(3)
+    xs = [nd.array(rng.normal(size=(1, 3))) for _ in range(6)]
+
+    def go(flag):
+        net.hybridize(dynamic_batch=True, policy=policy) if flag else \
+            net.hybridize(active=False)
+        net.collect_params().zero_grad()
+        with autograd.record():
+            ys = [nd.Activation(net(x), act_type="softrelu") for x in xs]
+            zs = [nd._internal._hypot_scalar(nd.minimum(y, 0.5), scalar=0.25) for y in ys]
+            total = nd.add_n(*[z.sum() for z in zs])
+        total.backward()
+        return [z.asnumpy() for z in zs], {"w": net.weight.grad().asnumpy().copy()}
+    ref = go(False)
+    jitbatch.reset_stats()
+    got = go(True)
+    assert_same(ref, got)
+    if policy in ("depth", "agenda"):
+        # the Dense block, Activation, minimum, hypot, the sums, the add_n
+        assert jitbatch.stats()["launches"] == 6, jitbatch.stats()["launches"]
+    net.hybridize(active=False)

@@ -66,8 +66,8 @@ def hooked():
 
 
 # -- operators ---------------------------------------------------------------------------
-_OP_NAMES = {}     # op handle -> name
-_HANDLES = {}      # name -> op handle
+_OP_NAMES = {}     # op handle -> its registered (not alias) name
+_HANDLES = {}      # name or alias -> op handle
 
 
 def _op_table():
@@ -78,8 +78,24 @@ def _op_table():
         name = py_str(plist[i])
         hdl = OpHandle()
         check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(hdl)))
-        _OP_NAMES[hdl.value] = name
         _HANDLES[name] = hdl.value
+    for hdl in set(_HANDLES.values()):
+        _OP_NAMES[hdl] = _registered_name(hdl)
+
+
+def _registered_name(handle):
+    """The name operator ``handle`` is registered under. Its aliases share the
+    handle and MXNet lists them in no fixed order: taking the last listed
+    named ``Activation`` ``_npx_activation``, so tables keyed by the
+    registered name (batching rules, gradients) missed it."""
+    name, desc, kv, ret = (ctypes.c_char_p() for _ in range(4))
+    num = ctypes.c_uint()
+    names, types, descs = (ctypes.POINTER(ctypes.c_char_p)() for _ in range(3))
+    check_call(_LIB.MXSymbolGetAtomicSymbolInfo(
+        ctypes.c_void_p(handle), ctypes.byref(name), ctypes.byref(desc), ctypes.byref(num),
+        ctypes.byref(names), ctypes.byref(types), ctypes.byref(descs), ctypes.byref(kv),
+        ctypes.byref(ret)))
+    return py_str(name.value)
 
 
 def infer_by_symbol(handle, metas, keys, vals):
@@ -104,7 +120,8 @@ def infer_by_symbol(handle, metas, keys, vals):
 
 
 def op_name(handle):
-    """The registered name of the operator ``handle`` (as the invoke hook sees it)."""
+    """The registered name of the operator ``handle`` (the same whichever alias
+    the program called it by)."""
     if not _OP_NAMES:
         _op_table()
     return _OP_NAMES.get(handle, "op#%d" % handle)

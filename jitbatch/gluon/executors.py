@@ -268,14 +268,14 @@ class OpExec(object):
     """Runs the nodes of one operator signature by its batching rule ``rule``
     (``rules.rule_for``; None: one call per node)."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic")
+                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
     gathers = True
 
     def __init__(self, handle, name, rule, keys, vals, in_meta, out_meta, ctx, mode,
-                 variadic=False):
+                 variadic=False, lift=None):
         self.handle = handle
         self.name = name
         self.kind = rule[0] if rule else None
@@ -290,6 +290,26 @@ class OpExec(object):
         # a sum of any number of inputs (signatures._variadic_sum): its calls
         # differ in arity, the batch's shorter ones padded (gather.prepare)
         self.variadic = variadic
+        # a scalar operator whose nodes hold their own scalars (Node.lifted):
+        # (the broadcasting operator's handle, scalar first), see signatures._LIFTS
+        self.lift = lift
+
+    def _lifted(self, batch, x, n):
+        """The launch of a scalar operator whose nodes differ in their scalars:
+        its broadcasting twin on the samples' flat data as ``(n, size)`` rows
+        and the column of their scalars (one host array: one copy)."""
+        if n == 1:
+            return _mxapi.run_op(self.handle, [x], self.keys, [batch[0].lifted])
+        shape, dtype = self.in_meta[0]
+        size = 1
+        for d in shape:
+            size *= d
+        col = np.array([node.lifted for node in batch], dtype=dtype).reshape((n, 1))
+        col = _mxapi.host_array(col, self.ctx, dtype)
+        rows = _mxapi.reshape(x, (n, size))
+        handle, first = self.lift
+        out = _mxapi.run_op(handle, [col, rows] if first else [rows, col], [], [])[0]
+        return [_mxapi.reshape(out, flat_shape(self.out_meta[0][0], n))]
 
     def _vals(self, count):
         """The call's attribute values for ``count`` inputs (a variadic sum's)."""
@@ -298,7 +318,9 @@ class OpExec(object):
     def launch(self, batch):
         n = len(batch)
         with self.ctx, _mxapi.mode_scope(self.mode):
-            if self.kind is None:
+            if self.lift is not None:
+                outs = self._lifted(batch, gather.gather_batch(batch)[0], n)
+            elif self.kind is None:
                 for node in batch:
                     args = [row_value(x) if type(x) is LazyArray else x for x in node.inputs]
                     outs = _mxapi.run_op(self.handle, args, self.keys,
@@ -307,17 +329,8 @@ class OpExec(object):
                     node.group.size = 1
                     finish([node], outs)
                 return
-            ins = gather.gather_batch(batch)
-            if n == 1 or self.kind == "elemwise":
-                # one sample's flat layout is its own shape: the call as recorded
-                outs = _mxapi.run_op(self.handle, ins, self.keys,
-                                     self._vals(len(ins)) if self.variadic else self.vals)
-            elif self.kind == "reshape":
-                outs = [nd.reshape(ins[0], shape=flat_shape(self.out_meta[0][0], n))]
             else:
-                ins = [x.reshape((n,) + pad) for x, pad in zip(ins, self.pads)]
-                outs = _mxapi.run_op(self.handle, ins, self.bkeys, self.bvals)
-                outs = [o.reshape(flat_shape(m[0], n)) for o, m in zip(outs, self.out_meta)]
+                outs = self._batched(gather.gather_batch(batch), n)
             if not self.checked and n > 1:
                 for o, m in zip(outs, self.out_meta):
                     if o.shape != flat_shape(m[0], n):
@@ -326,6 +339,18 @@ class OpExec(object):
                             "of per-sample shape %s" % (self.kind, self.name, o.shape, n, m[0]))
                 self.checked = True
         finish(batch, outs)
+
+    def _batched(self, ins, n):
+        """The launch by the operator's batching rule on the gathered inputs."""
+        if n == 1 or self.kind == "elemwise":
+            # one sample's flat layout is its own shape: the call as recorded
+            return _mxapi.run_op(self.handle, ins, self.keys,
+                                 self._vals(len(ins)) if self.variadic else self.vals)
+        if self.kind == "reshape":
+            return [nd.reshape(ins[0], shape=flat_shape(self.out_meta[0][0], n))]
+        ins = [x.reshape((n,) + pad) for x, pad in zip(ins, self.pads)]
+        outs = _mxapi.run_op(self.handle, ins, self.bkeys, self.bvals)
+        return [o.reshape(flat_shape(m[0], n)) for o, m in zip(outs, self.out_meta)]
 
 
 class CopyExec(OpExec):

@@ -239,6 +239,8 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
         _begin(g, None, mode_)
     _note_reads(g, ndargs)
     node = gr.add(info, tuple(ndargs), site(), mode_)
+    if info.op.lift is not None:    # its scalar is the node's, not the signature's
+        node.lifted = vals[0]
     ctx = mc[0][2]
     outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]
     maybe_autoflush(g)

@@ -245,7 +245,7 @@ _rpower_scalar _maximum_scalar _minimum_scalar _hypot_scalar _mod_scalar _rmod_s
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
 _lesser_equal_scalar _logical_and_scalar _logical_or_scalar _logical_xor_scalar logical_not
 add_n ElementWiseSum _equal _not_equal _greater _greater_equal _lesser _lesser_equal
-smooth_l1 hard_sigmoid softrelu log_sigmoid mish where
+smooth_l1 hard_sigmoid where
 """)
 broadcast("""
 broadcast_add broadcast_sub broadcast_mul broadcast_div broadcast_plus broadcast_minus

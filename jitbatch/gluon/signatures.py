@@ -26,6 +26,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet.base import MXNetError
 from mxnet.gluon.block import _flatten
+from mxnet.util import is_np_shape
 
 from .. import config as _config
 from ..errors import BatchingError, ContractWarning
@@ -175,6 +176,14 @@ _SUM_HANDLES = []
 _SHORT_SUM = 4
 
 
+def _empty(metas):
+    """Whether a meta's shape has a 0 (an empty array, NumPy shape semantics)."""
+    for m in metas:
+        if m[0] and 0 in m[0]:
+            return True
+    return False
+
+
 def _variadic_sum(handle, keys, metas):
     """For a sum of equally shaped inputs, its arity class in the signature
     key ('short' up to _SHORT_SUM inputs, else 'long'); False for any other call."""
@@ -183,12 +192,42 @@ def _variadic_sum(handle, keys, metas):
     if handle not in _SUM_HANDLES:
         return False
     first = metas[0]
-    if first[0] is None or not first[0] or first[0][0] is None:
+    if first[0] is None or not first[0] or first[0][0] is None or 0 in first[0]:
         return False
     for m in metas:
         if m != first:
             return False
     return "short" if len(metas) <= _SHORT_SUM else "long"
+
+
+#: operators of an array and a Python scalar whose scalar leaves the signature:
+#: calls with different scalars (``x / len(children)``) share a launch that
+#: applies the broadcasting operator to a column of the nodes' scalars (the
+#: scalar first where ``True``). MXNet casts the scalar to the array's dtype
+#: first, so the launch computes what each call does, bit for bit
+#: (tests/test_lifted_scalars.py)
+_LIFTS = {"_plus_scalar": ("broadcast_add", False), "_minus_scalar": ("broadcast_sub", False),
+          "_rminus_scalar": ("broadcast_sub", True), "_mul_scalar": ("broadcast_mul", False),
+          "_div_scalar": ("broadcast_div", False), "_rdiv_scalar": ("broadcast_div", True),
+          "_maximum_scalar": ("broadcast_maximum", False),
+          "_minimum_scalar": ("broadcast_minimum", False),
+          "_power_scalar": ("broadcast_power", False), "_rpower_scalar": ("broadcast_power", True)}
+_LIFT_HANDLES = {}
+
+
+def _lifted_scalar(handle, keys, metas):
+    """``(broadcasting operator's handle, scalar first)`` for a scalar operator
+    call on one floating-point array of a fixed per-sample shape, else None."""
+    if not _LIFT_HANDLES:
+        _LIFT_HANDLES.update({_mxapi.op_handle(n): (_mxapi.op_handle(b), first)
+                              for n, (b, first) in _LIFTS.items()})
+    how = _LIFT_HANDLES.get(handle)
+    if how is None or len(keys) != 1 or keys[0] != "scalar" or len(metas) != 1:
+        return None
+    shape = metas[0][0]
+    if not shape or shape[0] is None or 0 in shape or np.dtype(metas[0][1]).kind != "f":
+        return None
+    return how
 
 
 def op_signature(handle, keys, vals, metas, mode, output_is_list):
@@ -201,11 +240,20 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         vkey = tuple(str(v) for v in vals)
     variadic = _variadic_sum(handle, keys, metas)
     kmetas = metas
-    if variadic:
-        if "num_args" in keys:      # (MXNet counts the inputs where it is not given)
-            at = list(keys).index("num_args")
+    lift = None
+    if variadic and "num_args" in keys:     # (MXNet counts the inputs where it is not given)
+        at = list(keys).index("num_args")
+        if str(vals[at]) == str(len(metas)):
             vkey = vkey[:at] + (None,) + vkey[at + 1:]
+        else:   # a count that is not the inputs': its own signature, whose trial run raises
+            variadic = False
+    if variadic:
         kmetas = metas[:1]
+    else:
+        lift = _lifted_scalar(handle, keys, metas)
+        if lift is not None:
+            vkey = (None,)
+            variadic = "lifted"
     # every argument's context is in the key (as for blocks), so a call mixing
     # contexts never reuses a signature whose first call passed the check
     key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, variadic)
@@ -237,12 +285,19 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
+        if _empty(shapes) or _empty(out_meta):
+            # an empty array (NumPy shape semantics): MXNet's reshape reads a 0
+            # as "keep this axis", so no rule can view it; one launch per call
+            rule = lift = None
         attrs = dict(zip(keys, svals))
         passing = any(gradients.passes(name, k, attrs) for k in range(len(metas)))
         ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx,
-                    gradients.launch_mode(mode, passing), bool(variadic))
-        info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, rule is not None,
-                                                   name))
+                    gradients.launch_mode(mode, passing), variadic not in (False, "lifted"),
+                    lift)
+        # (a lifted scalar operator merges by its broadcasting twin, rule or not:
+        # MXNet's _maximum_scalar is _npi_maximum_scalar by name, which has none)
+        info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta,
+                                                   rule is not None or lift is not None, name))
     return info
 
 
@@ -407,7 +462,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             "unhybridized (.hybridize(active=False) on it)."
             % (head, ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
                                for p in params) or "none")) from e
-    if doubled is None and any(not a or 0 in a for a in o1):
+    if doubled is None and any(_unknown(a) for a in o1):
         flow = contract.control_flow(out)
         if flow is not None and mode[0] and flow.op in ("_cond", "_while_loop"):
             raise BatchingError(
@@ -427,7 +482,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     for k, (a, b) in enumerate(zip(o1, o2)):
         if doubled is not None:
             break
-        if not a or 0 in a or not b:
+        if _unknown(a) or not b:
             raise BatchingError(
                 "block %s: the shape of output %d cannot be inferred from input shapes %s%s. "
                 "An output whose shape depends on the values (contrib.boolean_mask) cannot "
@@ -515,6 +570,15 @@ def _first_line(error):
     return lines[0] if lines else type(error).__name__
 
 
+def _unknown(shape):
+    """Whether MXNet's shape inference left ``shape`` or a dimension of it
+    unknown: -1 under NumPy shape semantics (``np_shape``), where 0 is a size
+    (an empty set's rows), 0 otherwise."""
+    if not shape:
+        return True
+    return -1 in shape if is_np_shape() else 0 in shape
+
+
 def _unknown_shape_op(out, names, shapes):
     """`` (operator X, graph node N, gives no shape)`` for the first operator of
     ``out`` whose output shape MXNet cannot infer from ``shapes``, or ''."""
@@ -522,7 +586,7 @@ def _unknown_shape_op(out, names, shapes):
     nodes = graph["nodes"]
     one, _ = contract.internal_shapes(out, nodes, names, shapes)
     for j, node in enumerate(nodes):
-        if node["op"] != "null" and any(not s or 0 in s for s in one.get(j, [()])):
+        if node["op"] != "null" and any(_unknown(s) for s in one.get(j, [()])):
             return " (its operator %s, graph node %s, gives no shape)" % (node["op"],
                                                                         node["name"])
     return ""
