@@ -166,6 +166,17 @@ def train_steps(net, policy, batches, apply, opt="sgd", args=None, add=False):
     return out
 
 
+def trained_alike(make, policy, what, batches, apply, *optimizer, add=False, merging=True):
+    """The same training steps (``train_steps``) on a plain and a flagged copy
+    of ``make()``: the same values; under a merging policy, calls merged
+    (``merging``)."""
+    want, got, st = both(lambda: init(make()), lambda n, p: train_steps(
+        n, p, batches, apply, *optimizer, add=add), policy)
+    same(want, got, "%s under %s" % (what, policy))
+    if merging and policy in MERGING:
+        assert merged(st), st
+
+
 def graph_apply(net, s):
     x, adj, t = s
     y = net(x, adj)
@@ -178,20 +189,17 @@ def test_message_passing_graph_network_trains(policy):
     neighbour sums of degree 0-8 and read-outs of 1-9 nodes, all arities in
     each flush."""
     batches = [random_graphs(("gnn", k), 6) for k in range(3)]
-    want, got, st = both(lambda: init(GraphNet(prefix="gnn_")), lambda n, p: train_steps(
-        n, p, batches, graph_apply, "sgd", {"learning_rate": 0.1, "momentum": 0.9}), policy)
-    same(want, got, "graph network under %s" % policy)
-    if policy in MERGING:
-        assert merged(st), st
+    trained_alike(lambda: GraphNet(prefix="gnn_"), policy, "graph network", batches, graph_apply,
+                  "sgd", {"learning_rate": 0.1, "momentum": 0.9})
 
 
 @pytest.mark.parametrize("policy", ["auto", "depth", "agenda"])
 def test_message_passing_accumulated_over_two_minibatches(policy):
     """``grad_req='add'``: two minibatches of graphs per Adam step."""
     batches = [random_graphs(("gnn-add", k), 4) for k in range(4)]
-    want, got, _ = both(lambda: init(GraphNet(prefix="gnna_")), lambda n, p: train_steps(
-        n, p, batches, graph_apply, "adam", {"learning_rate": 0.05}, add=True), policy)
-    same(want, got, "accumulated graph network under %s" % policy)
+    trained_alike(lambda: GraphNet(prefix="gnna_"), policy, "accumulated graph network",
+                  batches, graph_apply, "adam", {"learning_rate": 0.05}, add=True,
+                  merging=False)
 
 
 @pytest.mark.parametrize("policy", MERGING)
@@ -348,21 +356,18 @@ def test_child_sum_tree_lstm_trains(policy, zero):
     """Three Adam steps over trees of 1-10 nodes with up to 6 children a node:
     child sums of 1-6 hidden states, cell sums of 2-7 inputs."""
     batches = [random_trees(("tree", k), 5) for k in range(3)]
-    want, got, st = both(lambda: init(ChildSumTreeLSTM(zero, prefix="cst_")),
-                         lambda n, p: train_steps(n, p, batches, tree_apply, "adam",
-                                                  {"learning_rate": 0.05}), policy)
-    same(want, got, "child-sum Tree-LSTM (%s zero) under %s" % (zero, policy))
-    if policy in MERGING:
-        assert merged(st), st
+    trained_alike(lambda: ChildSumTreeLSTM(zero, prefix="cst_"), policy,
+                  "child-sum Tree-LSTM (%s zero)" % zero, batches, tree_apply, "adam",
+                  {"learning_rate": 0.05})
 
 
 @pytest.mark.parametrize("policy", ["auto", "agenda"])
 def test_child_sum_tree_lstm_accumulated(policy):
     """``grad_req='add'``: two minibatches of trees per SGD step."""
     batches = [random_trees(("tree-add", k), 3) for k in range(4)]
-    want, got, _ = both(lambda: init(ChildSumTreeLSTM("shared", prefix="csa_")),
-                        lambda n, p: train_steps(n, p, batches, tree_apply, add=True), policy)
-    same(want, got, "accumulated child-sum Tree-LSTM under %s" % policy)
+    trained_alike(lambda: ChildSumTreeLSTM("shared", prefix="csa_"), policy,
+                  "accumulated child-sum Tree-LSTM", batches, tree_apply, add=True,
+                  merging=False)
 
 
 class DagLSTM(Block):
@@ -415,11 +420,7 @@ def test_dag_lstm_with_gluon_lstm_cell_trains(policy):
         feats, preds, t = s
         y = net(feats, preds)
         return y, L2(y, t).sum()
-    want, got, st = both(lambda: init(DagLSTM(prefix="dag_")), lambda n, p: train_steps(
-        n, p, batches, apply), policy)
-    same(want, got, "DAG-LSTM under %s" % policy)
-    if policy in MERGING:
-        assert merged(st), st
+    trained_alike(lambda: DagLSTM(prefix="dag_"), policy, "DAG-LSTM", batches, apply)
 
 
 class DeepSets(Block):
@@ -827,11 +828,8 @@ def test_a_flagged_block_summing_in_its_graph(policy):
             hs.append(net(hs[-1]))
         y = nd.add_n(*hs[1:])
         return y, L2(y, t).sum()
-    want, got, st = both(lambda: init(Residual(prefix="res_")), lambda n, p: train_steps(
-        n, p, batches, apply, "adam", {"learning_rate": 0.05}), policy)
-    same(want, got, "residual sums under %s" % policy)
-    if policy in MERGING:
-        assert merged(st), st
+    trained_alike(lambda: Residual(prefix="res_"), policy, "residual sums", batches, apply,
+                  "adam", {"learning_rate": 0.05})
 
 
 class Branches(Block):
@@ -862,11 +860,8 @@ def test_sums_of_convolution_branches(policy):
         x, k, t = s
         y = net(x, k)
         return y, L2(y, t).sum()
-    want, got, st = both(lambda: init(Branches(prefix="br_")), lambda n, p: train_steps(
-        n, p, batches, apply), policy)
-    same(want, got, "convolution branches under %s" % policy)
-    if policy in MERGING:
-        assert merged(st), st
+    trained_alike(lambda: Branches(prefix="br_"), policy, "convolution branches", batches,
+                  apply)
 
 
 class Readout(HybridBlock):
@@ -1231,9 +1226,8 @@ def test_graph_network_with_flushes_mid_recording(policy, max_pending, config):
     ones; two training steps."""
     config.max_pending = max_pending
     batches = [random_graphs(("gnn-mp", k), 4) for k in range(2)]
-    want, got, _ = both(lambda: init(GraphNet(prefix="gmp_")), lambda n, p: train_steps(
-        n, p, batches, graph_apply), policy)
-    same(want, got, "max_pending %d under %s" % (max_pending, policy))
+    trained_alike(lambda: GraphNet(prefix="gmp_"), policy, "max_pending %d" % max_pending,
+                  batches, graph_apply, merging=False)
 
 
 # -- 8. 'auto' between training and inference -----------------------------------------------------

@@ -18,6 +18,7 @@ import jitbatch
 from jitbatch.stats import STATS
 
 from harness import assert_same, run
+from heldout import initialized
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 SCALARS = [1.0, 2.0, 3.0, 7.0, 0.5, 0.1, 1.0 / 3.0, -2.5, 100.0, -0.0]
@@ -64,12 +65,7 @@ def _samples(seed, n=16):
 
 
 def _net():
-    net = Children(prefix="children_")
-    net.initialize()
-    rng = np.random.default_rng(7)
-    net.cell.weight.set_data(nd.array(rng.normal(size=(4, 3))))
-    net.cell.bias.set_data(nd.array(rng.normal(size=(4,))))
-    return net
+    return initialized(Children(prefix="children_"))
 
 
 def _apply(net, sample):

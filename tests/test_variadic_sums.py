@@ -18,6 +18,7 @@ import jitbatch
 from jitbatch.stats import STATS
 
 from harness import assert_same, run
+from heldout import initialized
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 
@@ -56,12 +57,7 @@ def _samples(seed, n=14):
 
 
 def _net():
-    net = Sums(prefix="sums_")
-    net.initialize()
-    rng = np.random.default_rng(5)
-    net.dense.weight.set_data(nd.array(rng.normal(size=(4, 3))))
-    net.dense.bias.set_data(nd.array(rng.normal(size=(4,))))
-    return net
+    return initialized(Sums(prefix="sums_"))
 
 
 def _apply(net, xs):
