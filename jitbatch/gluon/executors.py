@@ -287,11 +287,11 @@ class OpExec(object):
         self.ctx = ctx
         self.mode = mode
         self.checked = False
-        # a sum of any number of inputs (signatures._variadic_sum): its calls
+        # a sum of any number of inputs (opkeys.left_out): its calls
         # differ in arity, the batch's shorter ones padded (gather.prepare)
         self.variadic = variadic
         # a scalar operator whose nodes hold their own scalars (Node.lifted):
-        # (the broadcasting operator's handle, scalar first), see signatures._LIFTS
+        # (the broadcasting operator's handle, scalar first), see opkeys._LIFTS
         self.lift = lift
 
     def _lifted(self, batch, x, n):

@@ -10,7 +10,8 @@ Two kinds of keys, both owned here:
 * *signature* keys of ``TABLE`` (what must be equal for nodes to merge),
   made once per new exact call: ``(kind, owner, token, *rest)`` for the block
   kinds (``owner`` the block's id, ``token`` its renewal token: a block
-  hybridized again gets new signatures), ``(OP, handle, ...)`` for operators.
+  hybridized again gets new signatures), ``(OP, handle, ...)`` for operators
+  (the arity of a sum and a scalar operator's number left out: ``opkeys``).
   A block signature's launch measurements carry over to its renewal
   (``new_info``: keyed by ``stable(key)``, the key without its token).
 
@@ -37,7 +38,7 @@ from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, in
 from .flags import Unhybridized, pad_names
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
-from . import _mxapi, contract, gradients
+from . import _mxapi, contract, gradients, opkeys
 from .rules import parse_attr, rule_for
 
 TABLE = SignatureTable()
@@ -165,71 +166,6 @@ def copy_signature(m, dst, mode):
 #: arguments (the shapes a signature would fix came from zeros)
 VALUE_SHAPED = set()
 _RESHAPES = ("Reshape", "reshape")
-#: operators summing any number of equally shaped inputs: calls of different
-#: arity share a signature and a launch, the shorter padded with -0.0 (x + -0.0
-#: is x in IEEE arithmetic, -0.0 and NaN included). MXNet 1.9.1 sums 3 or 4
-#: inputs right to left (a + (b + c)) and 5 or more left to right, so sums of
-#: up to 4 inputs and sums of 5 or more are two signatures: within each, the
-#: padded sums are the per-sample sums bit for bit (tests/test_variadic_sums.py)
-_SUMS = ("add_n", "ElementWiseSum")
-_SUM_HANDLES = []
-_SHORT_SUM = 4
-
-
-def _empty(metas):
-    """Whether a meta's shape has a 0 (an empty array, NumPy shape semantics)."""
-    for m in metas:
-        if m[0] and 0 in m[0]:
-            return True
-    return False
-
-
-def _variadic_sum(handle, keys, metas):
-    """For a sum of equally shaped inputs, its arity class in the signature
-    key ('short' up to _SHORT_SUM inputs, else 'long'); False for any other call."""
-    if not _SUM_HANDLES:
-        _SUM_HANDLES.extend(_mxapi.op_handle(n) for n in _SUMS)
-    if handle not in _SUM_HANDLES:
-        return False
-    first = metas[0]
-    if first[0] is None or not first[0] or first[0][0] is None or 0 in first[0]:
-        return False
-    for m in metas:
-        if m != first:
-            return False
-    return "short" if len(metas) <= _SHORT_SUM else "long"
-
-
-#: operators of an array and a Python scalar whose scalar leaves the signature:
-#: calls with different scalars (``x / len(children)``) share a launch that
-#: applies the broadcasting operator to a column of the nodes' scalars (the
-#: scalar first where ``True``). MXNet casts the scalar to the array's dtype
-#: first, so the launch computes what each call does, bit for bit
-#: (tests/test_lifted_scalars.py)
-_LIFTS = {"_plus_scalar": ("broadcast_add", False), "_minus_scalar": ("broadcast_sub", False),
-          "_rminus_scalar": ("broadcast_sub", True), "_mul_scalar": ("broadcast_mul", False),
-          "_div_scalar": ("broadcast_div", False), "_rdiv_scalar": ("broadcast_div", True),
-          "_maximum_scalar": ("broadcast_maximum", False),
-          "_minimum_scalar": ("broadcast_minimum", False),
-          "_power_scalar": ("broadcast_power", False), "_rpower_scalar": ("broadcast_power", True)}
-_LIFT_HANDLES = {}
-
-
-def _lifted_scalar(handle, keys, metas):
-    """``(broadcasting operator's handle, scalar first)`` for a scalar operator
-    call on one floating-point array of a fixed per-sample shape, else None."""
-    if not _LIFT_HANDLES:
-        _LIFT_HANDLES.update({_mxapi.op_handle(n): (_mxapi.op_handle(b), first)
-                              for n, (b, first) in _LIFTS.items()})
-    how = _LIFT_HANDLES.get(handle)
-    if how is None or len(keys) != 1 or keys[0] != "scalar" or len(metas) != 1:
-        return None
-    shape = metas[0][0]
-    if not shape or shape[0] is None or 0 in shape or np.dtype(metas[0][1]).kind != "f":
-        return None
-    return how
-
-
 def op_signature(handle, keys, vals, metas, mode, output_is_list):
     """The signature of an operator call on arguments of ``metas``; None for
     an operator whose output shapes depend on values (added to VALUE_SHAPED)."""
@@ -238,25 +174,10 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         hash(vkey)
     except TypeError:
         vkey = tuple(str(v) for v in vals)
-    variadic = _variadic_sum(handle, keys, metas)
-    kmetas = metas
-    lift = None
-    if variadic and "num_args" in keys:     # (MXNet counts the inputs where it is not given)
-        at = list(keys).index("num_args")
-        if str(vals[at]) == str(len(metas)):
-            vkey = vkey[:at] + (None,) + vkey[at + 1:]
-        else:   # a count that is not the inputs': its own signature, whose trial run raises
-            variadic = False
-    if variadic:
-        kmetas = metas[:1]
-    else:
-        lift = _lifted_scalar(handle, keys, metas)
-        if lift is not None:
-            vkey = (None,)
-            variadic = "lifted"
+    loose, vkey, kmetas, lift = opkeys.left_out(handle, keys, vals, vkey, metas)
     # every argument's context is in the key (as for blocks), so a call mixing
     # contexts never reuses a signature whose first call passed the check
-    key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, variadic)
+    key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, loose)
     info = TABLE.get(key)
     if info is None:
         shapes = tuple((m[0], m[1]) for m in metas)
@@ -285,15 +206,14 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
-        if _empty(shapes) or _empty(out_meta):
+        if opkeys.empty(shapes) or opkeys.empty(out_meta):
             # an empty array (NumPy shape semantics): MXNet's reshape reads a 0
             # as "keep this axis", so no rule can view it; one launch per call
             rule = lift = None
         attrs = dict(zip(keys, svals))
         passing = any(gradients.passes(name, k, attrs) for k in range(len(metas)))
         ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx,
-                    gradients.launch_mode(mode, passing), variadic not in (False, "lifted"),
-                    lift)
+                    gradients.launch_mode(mode, passing), opkeys.is_sum(loose), lift)
         # (a lifted scalar operator merges by its broadcasting twin, rule or not:
         # MXNet's _maximum_scalar is _npi_maximum_scalar by name, which has none)
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta,
