@@ -569,7 +569,8 @@ reduction("moments", attr="axes")
 for _name, _attr, _default in (("softmax", "axis", -1), ("log_softmax", "axis", -1),
                                ("softmin", "axis", -1), ("sort", "axis", -1),
                                ("argsort", "axis", -1), ("topk", "axis", -1),
-                               ("cumsum", "axis", None), ("reverse", "axis", None),
+                               ("cumsum", "axis", None), ("_np_cumsum", "axis", None),
+                               ("reverse", "axis", None),
                                ("flip", "axis", None),
                                # divides by the square root of the last axis's size
                                ("_contrib_div_sqrt_dim", "axis", -1)):

@@ -304,7 +304,13 @@ class OpExec(object):
         size = 1
         for d in shape:
             size *= d
-        col = np.array([node.lifted for node in batch], dtype=dtype).reshape((n, 1))
+        col = np.array([node.lifted for node in batch], dtype=np.float64)
+        if np.dtype(dtype).itemsize < 4:
+            # MXNet makes a half-precision scalar through float32 (half_t(float)):
+            # rounded straight from the double, a number near a half-precision
+            # midpoint came out one unit apart
+            col = col.astype(np.float32)
+        col = col.astype(dtype).reshape((n, 1))
         col = _mxapi.host_array(col, self.ctx, dtype)
         rows = _mxapi.reshape(x, (n, size))
         handle, first = self.lift

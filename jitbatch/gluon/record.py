@@ -230,6 +230,11 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     if handle in VALUE_SHAPED or handle in _SPARSE_OPS or _any_sparse(ndargs):
         return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     mc = [meta(a) for a in ndargs]
+    for m in mc:
+        if m[0] and 0 in m[0]:
+            # an empty argument (NumPy shape semantics): on computed values, now;
+            # a trial run on an unallocated empty array fails in oneDNN kernels
+            return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     mode_ = mode(g)
     info = op_signature(handle, keys, vals, mc, mode_, output_is_list)
     if info is None:     # its output shapes depend on values: it runs now
