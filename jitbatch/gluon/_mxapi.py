@@ -127,6 +127,13 @@ def op_name(handle):
     return _OP_NAMES.get(handle, "op#%d" % handle)
 
 
+def op_handles():
+    """Every operator name and alias -> its handle."""
+    if not _HANDLES:
+        _op_table()
+    return dict(_HANDLES)
+
+
 def op_handle(name):
     """The handle of operator ``name``."""
     if not _HANDLES:

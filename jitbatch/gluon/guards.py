@@ -1,7 +1,8 @@
 """Guards on MXNet's functions that change what pending calls read, or look
 at what they recorded: this thread's pending calls run first (a parameter
 re-initialised, moved or cast, a child block added or replaced, an export,
-a seed, ``waitall``), or the call is said in jitbatch's terms (a gradient of
+a seed, ``waitall``, a backward of a concrete loss, ``attach_grad`` of an
+array they read), or the call is said in jitbatch's terms (a gradient of
 a gradient through launches, ``get_symbol`` of a merged output); pickling a
 flagged block leaves out MXNet's CachedOp. Installed by :mod:`.patch`."""
 import weakref
@@ -55,6 +56,56 @@ def make_initialize(orig):
             run_pending("write")
         return orig(self, *args, **kwargs)
     return initialize
+
+
+def make_backward(orig, heads_of):
+    """``NDArray.backward`` / ``autograd.backward`` of concrete heads: the
+    backward writes gradient buffers in place, so this thread's pending calls,
+    which per sample ran before it, run first (a sample of ``jitbatch.map``
+    parks as at a read, so the flush serves every parked sample). A lazy
+    head's backward runs them anyway, through its read (``heads_of``: the
+    heads of a call's arguments)."""
+    @wraps(orig)
+    def backward(*args, **kwargs):
+        heads = heads_of(args, kwargs)
+        for h in heads:
+            if type(h) is not LazyArray:
+                g: Graph = current_graph()
+                if g.nodes and not g.executing:
+                    if g.sharing is not None:
+                        g.sharing.wait(g.nodes[-1])
+                    if g.nodes:
+                        execute.run_graph(g, reason="backward")
+                break
+        return orig(*args, **kwargs)
+    return backward
+
+
+def ndarray_heads(args, kwargs):  # pylint: disable=unused-argument
+    """The head of ``NDArray.backward(self, ...)``."""
+    return args[:1]
+
+
+def autograd_heads(args, kwargs):
+    """The heads of ``autograd.backward(heads, ...)``."""
+    heads = args[0] if args else kwargs.get("heads")
+    return heads if isinstance(heads, (list, tuple)) else [heads]
+
+
+def make_attach_grad(orig):
+    """``NDArray.attach_grad``: the pending calls that read the array run first.
+    Per sample they ran while it had no gradient buffer (or its old one), so
+    autograd wired them to that; run later, they were wired to the new buffer
+    (a gradient counted through calls recorded before the array asked for one)."""
+    @wraps(orig)
+    def attach_grad(self, *args, **kwargs):
+        g: Graph = current_graph()
+        # (the calls' own arguments only: telling views apart would wait for
+        # the array's producer, in a loop that attaches a gradient per sample)
+        if g.nodes and g.reads.get(id(self)) is self:
+            before_write(self)
+        return orig(self, *args, **kwargs)
+    return attach_grad
 
 
 def make_replacing(orig):

@@ -44,7 +44,7 @@ from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, record_block, record_const, record_copy, record_filled,
                      record_op, rows_composite, stack)
-from .writes import before_write
+from .writes import MUTATING, before_write, find_mutating
 
 _patches = []          # (owner, name, original, ours) in patch order
 _MISSING = object()
@@ -63,6 +63,9 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     if out is not None:     # an in-place write: pending readers of the target run first
         for o in (out if isinstance(out, (list, tuple)) else (out,)):
             before_write(o)
+    if handle in MUTATING:  # it writes its inputs (zero_grad's reset_arrays): the same
+        for a in ndargs:
+            before_write(a)
     for a in ndargs:
         if type(a) is LazyArray:
             break
@@ -505,6 +508,12 @@ def install():
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
     _set(HybridBlock, "__getstate__", guards.getstate)
     _set(_mxrandom, "seed", guards.pending_first(_mxrandom.seed, "seed"))
+    _set(NDArray, "attach_grad", guards.make_attach_grad(NDArray.attach_grad))
+    # a backward writes the gradient buffers in place: calls pending since
+    # before it read them as they were (a lazy head's backward runs them anyway)
+    _set(NDArray, "backward", guards.make_backward(NDArray.backward, guards.ndarray_heads))
+    _set(_autograd, "backward", guards.make_backward(_autograd.backward, guards.autograd_heads))
+    find_mutating()
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()

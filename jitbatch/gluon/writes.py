@@ -210,3 +210,16 @@ def _read_while_recording(target):
         if u.mode[0]:
             return True
     return False
+
+
+#: handles of operators that write their inputs in place, without ``out=``
+#: (``reset_arrays``, which ``ParameterDict.zero_grad`` uses, and the
+#: optimizers' update operators, which write their states): filled at install
+MUTATING = set()
+
+
+def find_mutating():
+    """Fill :data:`MUTATING` from MXNet's operator table."""
+    MUTATING.update(h for name, h in _mxapi.op_handles().items()
+                    if name == "reset_arrays" or name.endswith("_update")
+                    or "_update_phase" in name)
