@@ -155,6 +155,15 @@ def same_arrays(want, got, what):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
 
 
+def error_of(fn):
+    """The exception ``fn()`` raises (None if it returns)."""
+    try:
+        fn()
+    except Exception as e:  # pylint: disable=broad-except
+        return e
+    return None
+
+
 def run_in_subprocess(code):
     """Run ``code`` in a fresh interpreter (for crashes of the process and
     errors MXNet keeps for its next read); returns (exit status, stdout, stderr)."""

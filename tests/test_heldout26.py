@@ -54,7 +54,7 @@ import jitbatch
 from jitbatch import cost
 from oracle import cleanup
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
-                     rng_for, same_values as same)
+                     error_of, rng_for, same_values as same)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -87,15 +87,6 @@ def bits_equal(want, got, what):
         assert a.dtype == b.dtype and a.shape == b.shape, (what, i, a.dtype, b.dtype,
                                                            a.shape, b.shape)
         assert a.tobytes() == b.tobytes(), "%s %d: plain %r, jitbatch %r" % (what, i, a, b)
-
-
-def error_of(fn):
-    """The exception ``fn()`` raises (None if it returns)."""
-    try:
-        fn()
-    except Exception as e:  # pylint: disable=broad-except
-        return e
-    return None
 
 
 # -- 1. message passing: each node sums its neighbours ---------------------------------------

@@ -78,7 +78,7 @@ from mxnet.gluon import Block, HybridBlock, nn
 import jitbatch
 from oracle import cleanup
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
-                     rng_for, run_in_subprocess, same_values as same)
+                     error_of, rng_for, run_in_subprocess, same_values as same)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -132,15 +132,6 @@ def bits_equal(want, got, what):
         assert (np.isnan(b) == nan).all(), (what, i, a, b)
         assert a[~nan].tobytes() == b[~nan].tobytes(), "%s %d: plain %r, jitbatch %r" % (
             what, i, a, b)
-
-
-def error_of(fn):
-    """The exception ``fn()`` raises (None if it returns)."""
-    try:
-        fn()
-    except Exception as e:  # pylint: disable=broad-except
-        return e
-    return None
 
 
 def xfail_merging(reason):

@@ -82,7 +82,7 @@ import jitbatch
 from jitbatch import pipeline
 from oracle import cleanup
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
-                     rng_for, same_values as same)
+                     error_of, rng_for, same_values as same)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -101,15 +101,6 @@ def init(net, seed=0, ctx=None):
 def encoder(prefix):
     """The per-row encoder most programs here call per sample."""
     return init(nn.Dense(H, in_units=3, activation="tanh", prefix=prefix))
-
-
-def error_of(fn):
-    """The exception ``fn()`` raises (None if it returns)."""
-    try:
-        fn()
-    except Exception as e:  # pylint: disable=broad-except
-        return e
-    return None
 
 
 def sequences(key, count, lo=1, hi=8):
