@@ -1,8 +1,9 @@
 """Guards on MXNet's functions that change what pending calls read, or look
 at what they recorded: this thread's pending calls run first (a parameter
 re-initialised, moved or cast, a child block added or replaced, an export,
-a seed, ``waitall``, a backward of a concrete loss, ``attach_grad`` of an
-array they read), or the call is said in jitbatch's terms (a gradient of
+a seed, ``waitall``, a backward or ``autograd.grad`` of a concrete loss,
+``attach_grad`` of an array they read, a kvstore pull into arrays they
+read), or the call is said in jitbatch's terms (a gradient of
 a gradient through launches, ``get_symbol`` of a merged output); pickling a
 flagged block leaves out MXNet's CachedOp. Installed by :mod:`.patch`."""
 import weakref
@@ -67,18 +68,24 @@ def make_backward(orig, heads_of):
     heads of a call's arguments)."""
     @wraps(orig)
     def backward(*args, **kwargs):
-        heads = heads_of(args, kwargs)
-        for h in heads:
-            if type(h) is not LazyArray:
-                g: Graph = current_graph()
-                if g.nodes and not g.executing:
-                    if g.sharing is not None:
-                        g.sharing.wait(g.nodes[-1])
-                    if g.nodes:
-                        execute.run_graph(g, reason="backward")
-                break
+        before_backward(heads_of(args, kwargs))
         return orig(*args, **kwargs)
     return backward
+
+
+def before_backward(heads):
+    """A backward from ``heads`` is about to write gradient buffers (and
+    BatchNorm's running statistics, which MXNet 1.9.1 updates in the backward
+    pass): if a head is concrete, this thread's pending calls run first."""
+    for h in heads:
+        if type(h) is not LazyArray:
+            g: Graph = current_graph()
+            if g.nodes and not g.executing:
+                if g.sharing is not None:
+                    g.sharing.wait(g.nodes[-1])
+                if g.nodes:
+                    execute.run_graph(g, reason="backward")
+            return
 
 
 def ndarray_heads(args, kwargs):  # pylint: disable=unused-argument
@@ -90,6 +97,41 @@ def autograd_heads(args, kwargs):
     """The heads of ``autograd.backward(heads, ...)``."""
     heads = args[0] if args else kwargs.get("heads")
     return heads if isinstance(heads, (list, tuple)) else [heads]
+
+
+def make_kv_write(orig, written):
+    """A ``KVStore`` method that writes arrays through MXNet's C API
+    (``pull``, ``pushpull``, ``row_sparse_pull``; ``Trainer.allreduce_grads``
+    goes through them): the pending calls that read those arrays run first.
+    ``written(args, kwargs)``: the arrays it writes (nested lists)."""
+    @wraps(orig)
+    def kv_write(*args, **kwargs):
+        for a in _flat_arrays(written(args, kwargs)):
+            before_write(a)
+        return orig(*args, **kwargs)
+    return kv_write
+
+
+def _flat_arrays(x):
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat_arrays(v)
+    elif x is not None:
+        yield x
+
+
+def kv_out(args, kwargs):
+    """``pull(self, key, out=None, ...)`` / ``row_sparse_pull``: ``out``."""
+    return kwargs.get("out", args[2] if len(args) > 2 else None)
+
+
+def kv_pushpull_out(args, kwargs):
+    """``pushpull(self, key, value, out=None, ...)``: ``out``, else ``value``
+    (written in place)."""
+    out = kwargs.get("out", args[3] if len(args) > 3 else None)
+    if out is None:
+        out = kwargs.get("value", args[2] if len(args) > 2 else None)
+    return out
 
 
 def make_attach_grad(orig):
@@ -225,8 +267,10 @@ def make_grad(orig):
             # samples, whose gradients come next
             retain_graph = True
         names = ()
+        listed = heads if isinstance(heads, (list, tuple)) else [heads]
         if create_graph:      # the heads' blocks, while their nodes are pending
-            names = _blocks_behind(heads if isinstance(heads, (list, tuple)) else [heads])
+            names = _blocks_behind(listed)
+        before_backward(listed)
         try:
             return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
         except MXNetError as e:

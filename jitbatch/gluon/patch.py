@@ -23,6 +23,7 @@ from mxnet.context import Context, current_context
 from mxnet.gluon.block import Block, HybridBlock, SymbolBlock
 from mxnet.gluon.parameter import Parameter
 from mxnet.gluon.trainer import Trainer
+from mxnet.kvstore import KVStore
 from mxnet.gluon.rnn.rnn_cell import RecurrentCell
 from mxnet.gluon.rnn.rnn_layer import _RNNLayer
 from mxnet.ndarray import NDArray, register
@@ -513,6 +514,9 @@ def install():
     # before it read them as they were (a lazy head's backward runs them anyway)
     _set(NDArray, "backward", guards.make_backward(NDArray.backward, guards.ndarray_heads))
     _set(_autograd, "backward", guards.make_backward(_autograd.backward, guards.autograd_heads))
+    for name, written in (("pull", guards.kv_out), ("row_sparse_pull", guards.kv_out),
+                          ("pushpull", guards.kv_pushpull_out)):
+        _set(KVStore, name, guards.make_kv_write(getattr(KVStore, name), written))
     find_mutating()
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
