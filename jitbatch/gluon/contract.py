@@ -20,6 +20,8 @@ shapes and at twice the rows (the per-sample axis must be the one that
 doubles). The outputs must keep the samples along axis 0."""
 import json
 
+from mxnet.util import is_np_shape
+
 from .axis_rules import CONST, RANDOM, RULES, Facts, Refuse
 from .rules import parse_attr
 
@@ -219,3 +221,25 @@ def sparse_added(block, mode):
             return Mix("Embedding", p.name, "has a row_sparse gradient accumulated "
                                 "(grad_req='add'), which MXNet's merged backward refuses")
     return None
+
+
+def unknown_shape(shape):
+    """Whether MXNet's shape inference left ``shape`` or a dimension of it
+    unknown: -1 under NumPy shape semantics (``np_shape``), where 0 is a size
+    (an empty set's rows), 0 otherwise."""
+    if not shape:
+        return True
+    return -1 in shape if is_np_shape() else 0 in shape
+
+
+def unknown_shape_op(out, names, shapes):
+    """`` (operator X, graph node N, gives no shape)`` for the first operator of
+    ``out`` whose output shape MXNet cannot infer from ``shapes``, or ''."""
+    graph = json.loads(out.tojson())
+    nodes = graph["nodes"]
+    one, _ = internal_shapes(out, nodes, names, shapes)
+    for j, node in enumerate(nodes):
+        if node["op"] != "null" and any(unknown_shape(s) for s in one.get(j, [()])):
+            return " (its operator %s, graph node %s, gives no shape)" % (node["op"],
+                                                                        node["name"])
+    return ""

@@ -73,14 +73,15 @@ def empty(metas):
 
 
 def _sum_class(handle, metas):
-    """For a sum of equally shaped, non-empty inputs, its arity class ('short'
-    up to ``_SHORT_SUM`` inputs, else 'long'); None for any other call."""
+    """For a sum of equally shaped inputs, its arity class ('short' up to
+    ``_SHORT_SUM`` inputs, else 'long'); None for any other call. (Empty
+    arguments never get here: ``record.record_op`` runs them at once.)"""
     if not _SUM_HANDLES:
         _SUM_HANDLES.extend(_mxapi.op_handle(n) for n in _SUMS)
     if handle not in _SUM_HANDLES:
         return None
     first = metas[0]
-    if first[0] is None or not first[0] or first[0][0] is None or 0 in first[0]:
+    if first[0] is None or not first[0] or first[0][0] is None:
         return None
     for m in metas:
         if m != first:
@@ -90,7 +91,7 @@ def _sum_class(handle, metas):
 
 def _lifted_scalar(handle, keys, vals, metas):
     """``(broadcasting twin's handle, scalar first)`` for a scalar operator
-    call on one non-empty floating-point array of a fixed per-sample shape,
+    call on one floating-point array of a fixed per-sample shape,
     else None (integer arrays keep their scalar in the key; so does a number
     MXNet refuses, a subnormal double: its trial run raises MXNet's error)."""
     if not _LIFT_HANDLES:
@@ -100,7 +101,7 @@ def _lifted_scalar(handle, keys, vals, metas):
     if how is None or len(keys) != 1 or keys[0] != "scalar" or len(metas) != 1:
         return None
     shape = metas[0][0]
-    if not shape or shape[0] is None or 0 in shape or np.dtype(metas[0][1]).kind != "f":
+    if not shape or shape[0] is None or np.dtype(metas[0][1]).kind != "f":
         return None
     try:
         v = abs(float(vals[0]))

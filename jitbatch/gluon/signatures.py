@@ -27,7 +27,6 @@ import numpy as np
 from mxnet import autograd
 from mxnet.base import MXNetError
 from mxnet.gluon.block import _flatten
-from mxnet.util import is_np_shape
 
 from .. import config as _config
 from ..errors import BatchingError, ContractWarning
@@ -206,9 +205,10 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
-        if opkeys.empty(shapes) or opkeys.empty(out_meta):
-            # an empty array (NumPy shape semantics): MXNet's reshape reads a 0
-            # as "keep this axis", so no rule can view it; one launch per call
+        if opkeys.empty(out_meta):
+            # an empty output (NumPy shape semantics; an empty argument runs at
+            # once, record.record_op): MXNet's reshape reads a 0 as "keep this
+            # axis", so no rule can view it; one launch per call
             rule = lift = None
         attrs = dict(zip(keys, svals))
         passing = any(gradients.passes(name, k, attrs) for k in range(len(metas)))
@@ -382,7 +382,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             "unhybridized (.hybridize(active=False) on it)."
             % (head, ", ".join("%s %s %s" % (p.name, p.shape, np.dtype(p.dtype).name)
                                for p in params) or "none")) from e
-    if doubled is None and any(_unknown(a) for a in o1):
+    if doubled is None and any(contract.unknown_shape(a) for a in o1):
         flow = contract.control_flow(out)
         if flow is not None and mode[0] and flow.op in ("_cond", "_while_loop"):
             raise BatchingError(
@@ -402,13 +402,13 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     for k, (a, b) in enumerate(zip(o1, o2)):
         if doubled is not None:
             break
-        if _unknown(a) or not b:
+        if contract.unknown_shape(a) or not b:
             raise BatchingError(
                 "block %s: the shape of output %d cannot be inferred from input shapes %s%s. "
                 "An output whose shape depends on the values (contrib.boolean_mask) cannot "
                 "be merged. Fix: call such operators outside the flagged block, on its "
                 "outputs, or hybridize this block without dynamic_batch."
-                % (block.name, k, shapes, _unknown_shape_op(out, names, shapes)))
+                % (block.name, k, shapes, contract.unknown_shape_op(out, names, shapes)))
         if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
             crossed = contract.crossed_rows(block.name, shapes, k, a, b)
             if crossed is not None:
@@ -488,28 +488,6 @@ def _first_line(error):
     for a message of jitbatch's own."""
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
-
-
-def _unknown(shape):
-    """Whether MXNet's shape inference left ``shape`` or a dimension of it
-    unknown: -1 under NumPy shape semantics (``np_shape``), where 0 is a size
-    (an empty set's rows), 0 otherwise."""
-    if not shape:
-        return True
-    return -1 in shape if is_np_shape() else 0 in shape
-
-
-def _unknown_shape_op(out, names, shapes):
-    """`` (operator X, graph node N, gives no shape)`` for the first operator of
-    ``out`` whose output shape MXNet cannot infer from ``shapes``, or ''."""
-    graph = json.loads(out.tojson())
-    nodes = graph["nodes"]
-    one, _ = contract.internal_shapes(out, nodes, names, shapes)
-    for j, node in enumerate(nodes):
-        if node["op"] != "null" and any(_unknown(s) for s in one.get(j, [()])):
-            return " (its operator %s, graph node %s, gives no shape)" % (node["op"],
-                                                                        node["name"])
-    return ""
 
 
 def _shapes_by_running(block, args, mode):
