@@ -18,7 +18,7 @@ from . import _mxapi
 from .executors import BlockExec
 from .interleave import in_sample
 from .lazy import LazyArray, NotDifferentiableError, node_of
-from .writes import before_write, refuse_if_read_elsewhere
+from .writes import before_write, refuse_if_read_elsewhere, run_parked
 
 
 def run_pending(reason):
@@ -81,10 +81,7 @@ def before_backward(heads):
         if type(h) is not LazyArray:
             g: Graph = current_graph()
             if g.nodes and not g.executing:
-                if g.sharing is not None:
-                    g.sharing.wait(g.nodes[-1])
-                if g.nodes:
-                    execute.run_graph(g, reason="backward")
+                run_parked(g, "backward")
             return
 
 

@@ -116,19 +116,26 @@ def before_write(target):
         before_aliased_write(target)
 
 
+def run_parked(g, reason, still=None):
+    """Run the pending graph ``g`` before a change to what its calls read. A
+    sample of ``jitbatch.map`` parks here first, as at a read: the flush that
+    serves the parked samples may run every call pending now, and the graph
+    runs after only if calls are left (and ``still()``, where given, says they
+    still read what changes)."""
+    gr: Graph = g
+    if gr.sharing is not None:
+        gr.sharing.wait(gr.nodes[-1])
+        if not gr.nodes or (still is not None and not still()):
+            return
+    execute.run_graph(g, reason=reason)
+
+
 def _run_readers(g, target, param):
     """``before_write``'s pending calls that read ``target``: they run first."""
     if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
         read = _read_while_recording(target)
-        gr: Graph = g
-        if gr.sharing is not None:
-            # a sample of jitbatch.map parks here as at a read: the flush that
-            # serves the parked samples runs every call pending now
-            gr.sharing.wait(gr.nodes[-1])
-            if gr.nodes and (param or id(target) in gr.reads or _overlaps_a_read(gr, target)):
-                execute.run_graph(g, reason="write")
-        else:
-            execute.run_graph(g, reason="write")
+        run_parked(g, "write", lambda: param or id(target) in g.reads or
+                   _overlaps_a_read(g, target))
         if read and _mxapi.autograd_state()[0]:
             raise BatchingError(
                 "Inplace operations (+=, -=, x[:]=, etc) are not supported when recording "
