@@ -32,9 +32,10 @@ def rng_for(*key):
     return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
 
 
-def initialized(net, seed=0):
+def initialized(net, seed=0, ctx=None):
+    """``net`` initialized uniformly in [-0.5, 0.5] from ``seed`` (on ``ctx``)."""
     mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
+    net.initialize(mx.init.Uniform(0.5), ctx=ctx)
     return net
 
 

@@ -59,6 +59,7 @@ import jitbatch
 from jitbatch.gluon import executors
 from jitbatch.gluon import signatures
 from oracle import cleanup
+from heldout import initialized as init  # noqa: F401
 from heldout import merged, nothing_pending, rng_for, same_arrays  # noqa: F401
 
 H = 4
@@ -72,11 +73,6 @@ def flag(net, policy, granularity="auto"):
     else:
         net.hybridize(dynamic_batch=True, policy=policy, granularity=granularity)
 
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
 
 
 def both(make, program, policy, **kw):

@@ -59,6 +59,7 @@ from mxnet.gluon import HybridBlock, nn, rnn
 
 import jitbatch
 from oracle import FIX, cleanup
+from heldout import initialized as init  # noqa: F401
 from heldout import merged, nothing_pending, rng_for, same_arrays  # noqa: F401
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
@@ -85,11 +86,6 @@ def flag(nets, policy, granularity="auto"):
         else:
             net.hybridize(dynamic_batch=True, policy=policy, granularity=granularity)
 
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
 
 
 def made_in_np_mode(cls, *args, **kw):

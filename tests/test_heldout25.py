@@ -54,6 +54,7 @@ from mxnet.gluon.contrib import nn as cnn
 
 import jitbatch
 from oracle import cleanup
+from heldout import initialized as init
 from heldout import (as_result, both, flag, merged, nothing_pending, rng_for,  # noqa: F401
                      same_values as same)
 
@@ -69,11 +70,6 @@ FIXED = ["depth", "agenda", "sequential"]
 C0, C1 = mx.cpu(0), mx.cpu(1)
 V, D = 16, 4
 
-
-def init(net, seed=0, ctx=None):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5), ctx=ctx)
-    return net
 
 
 def grads(net):

@@ -53,6 +53,7 @@ from mxnet.gluon import Block, HybridBlock, nn
 import jitbatch
 from jitbatch import cost
 from oracle import cleanup
+from heldout import initialized as init
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
                      error_of, rng_for, same_values as same)
 
@@ -64,11 +65,6 @@ MERGING = ["depth", "agenda"]
 H = 4
 L2 = gluon.loss.L2Loss()
 
-
-def init(net, seed=0, ctx=None):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5), ctx=ctx)
-    return net
 
 
 class Double(HybridBlock):

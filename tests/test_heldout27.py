@@ -77,6 +77,7 @@ from mxnet.gluon import Block, HybridBlock, nn
 
 import jitbatch
 from oracle import cleanup
+from heldout import initialized as init
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
                      error_of, rng_for, run_in_subprocess, same_values as same)
 
@@ -88,11 +89,6 @@ MERGING = ["depth", "agenda"]
 H = 4
 L2 = gluon.loss.L2Loss()
 
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
 
 
 class Double(HybridBlock):

@@ -81,6 +81,7 @@ from mxnet.gluon import Block, HybridBlock, nn
 import jitbatch
 from jitbatch import pipeline
 from oracle import cleanup
+from heldout import initialized as init
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
                      error_of, rng_for, same_values as same)
 
@@ -91,11 +92,6 @@ POLICY = pytest.mark.parametrize("policy", POLICIES)
 MERGING = ["depth", "agenda"]
 H = 4
 
-
-def init(net, seed=0, ctx=None):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5), ctx=ctx)
-    return net
 
 
 def encoder(prefix):

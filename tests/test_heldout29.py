@@ -45,6 +45,7 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn
 
+from heldout import initialized as init
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
                      rng_for, same_values as same)
 
@@ -54,11 +55,6 @@ POLICY = pytest.mark.parametrize("policy", POLICIES)
 MERGING = ["depth", "agenda"]
 H = 4
 
-
-def init(net, seed=0, ctx=None):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5), ctx=ctx)
-    return net
 
 
 def encoder(prefix, ctx=None):
