@@ -1166,7 +1166,7 @@ def test_bags_of_sets_some_empty_encoded_element_by_element(policy):
     plain Gluon's numbers. Until 2026-11-26 refused with a BatchingError
     blaming a value-dependent shape: the signature's check read the 0 of an
     empty set's ``(1, 0, H)`` output as MXNet's legacy "unknown", where under
-    NumPy shape semantics unknown is -1 and 0 a size (``signatures._unknown``)."""
+    NumPy shape semantics unknown is -1 and 0 a size (``contract.unknown_shape``)."""
     with mx.util.np_shape(True):
         samples = bags(("bags-elements",))
         assert any(s.shape[1] == 0 for b in samples for s in b)
