@@ -171,6 +171,31 @@ def test_host_copies_made_without_any_read_stay_bounded_and_right():
     _mxapi.release_hosts()
 
 
+def test_host_data_is_kept_until_its_copy_is_done_and_let_go_of_by_release_hosts():
+    # Until 2026-11-26 the host arrays were nd.from_numpy wrappers, freed by a
+    # Python callback from whichever thread dropped the wrapper last (often an
+    # engine thread, which then waited for the GIL): the suite hung once in a
+    # waitall. Now jitbatch keeps the data itself: it outlives a copy queued
+    # behind a busy engine, and release_hosts drops the last reference to it.
+    import weakref
+    from jitbatch.gluon import _mxapi
+    _mxapi.release_hosts()
+    big = nd.random.uniform(shape=(600, 600))
+    busy = [nd.dot(big, big) for _ in range(4)]       # queued kernels ahead of the copy
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    gone = weakref.ref(data)
+    out = _mxapi.host_array(data, mx.cpu(), np.float32)
+    del data
+    import gc
+    gc.collect()
+    assert gone() is not None              # kept while its copy may be pending
+    _mxapi.release_hosts()
+    assert gone() is None                  # and let go of here, by this thread
+    np.testing.assert_array_equal(out.asnumpy(), np.arange(12).reshape(3, 4))
+    nd.waitall()
+    del busy
+
+
 def test_old_gc_generations_wait_while_pending_and_are_restored_after_flush_or_failure(
         monkeypatch):
     import gc

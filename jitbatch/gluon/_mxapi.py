@@ -214,13 +214,13 @@ def resolved_shape(have, shape, reverse):
     return out
 
 
-#: dtypes MXNet's ``nd.from_numpy`` wraps without a copy (DLPack)
-_WRAPPABLE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.uint8,
-                                              np.int8, np.int32, np.int64))
-#: (host wrapper, its copy) pairs whose copies may still be pending (see host_array)
+#: dtypes a host array is wrapped in without a copy (DLPack; MXNet's own table)
+_DL_TYPES = {np.dtype(t): _nd_impl.DLDataType.TYPE_MAP[t]
+             for t in ("float16", "float32", "float64", "uint8", "int32", "int64")}
+#: (host data, its copy) pairs whose copies may still be pending (see host_array)
 _HOSTS = []
 _HOSTS_LOCK = threading.Lock()
-#: wrappers kept at most: past it the older half is freed, their copies long done
+#: pairs kept at most: past it the older half is freed, their copies long done
 #: (a loop that never reads a value must not keep one per flush for ever)
 HOSTS_KEPT = 64
 
@@ -229,24 +229,36 @@ def host_array(data, ctx, dtype):
     """NumPy ``data`` as a new NDArray of ``dtype`` on ``ctx``, without waiting.
 
     ``nd.array`` copies synchronously: its copy waits behind every kernel MXNet
-    has queued (measured: 2.5 ms per flush of a training step, 40 ms behind a
-    busy queue), so Python stops where it should run ahead of the kernels.
-    Instead the host array is wrapped without a copy (DLPack) and copied into
-    MXNet's own memory by an ordinary asynchronous engine op. The wrapper is
-    kept until ``release_hosts``: MXNet frees it by calling back into Python,
-    which must not happen on an engine thread while the main thread runs
-    Python (the callback waits for the GIL, and the kernels with it), nor
-    during the interpreter's shutdown (a crash), so the arrays users keep are
-    never wrappers. ``data`` must be jitbatch's own (NumPy marks it read-only)."""
+    has queued, so Python stops where it should run ahead of the kernels.
+    Instead the host memory is wrapped without a copy (DLPack) and copied into
+    MXNet's own memory by an ordinary asynchronous engine op. The wrapper has
+    no deleter: ``nd.from_numpy``'s frees the NumPy array by a Python callback
+    from whichever thread drops the wrapper last, often an engine thread, which
+    then waits for the GIL (and every kernel queued behind it waits too).
+    This module keeps ``data`` instead, until ``release_hosts`` has seen the
+    copy done. ``data`` must be jitbatch's own (NumPy marks it read-only)."""
     data = np.ascontiguousarray(data, dtype=dtype)
-    if data.dtype not in _WRAPPABLE or not data.ndim:
+    code = _DL_TYPES.get(data.dtype)
+    if code is None or not data.ndim:
         return nd_array(data, ctx=ctx, dtype=dtype)
-    host = nd.from_numpy(data, zero_copy=True)
+    data.flags.writeable = False
+    managed = _nd_impl.DLManagedTensor()
+    tensor = managed.dl_tensor
+    tensor.data = data.ctypes.data
+    tensor.ctx = _nd_impl.DLContext(1, 0)
+    tensor.ndim = data.ndim
+    tensor.dtype = _nd_impl.DLDataType(*code)
+    shape = data.ctypes.shape_as(ctypes.c_int64)
+    tensor.shape = shape
+    handle = NDArrayHandle()
+    # transient: MXNet copies the struct and reads the shape now; deleter NULL
+    check_call(_LIB.MXNDArrayFromDLPackEx(ctypes.byref(managed), True, ctypes.byref(handle)))
+    host = NDArray(handle=handle)
     out = nd.empty(data.shape, ctx=ctx, dtype=data.dtype)
     # (MXNet's own entry point: a fresh array is no write the hook must check)
     invoke(op_handle("_copyto"), [host], [], [], out, False, False)
     with _HOSTS_LOCK:
-        _HOSTS.append((host, out))
+        _HOSTS.append((data, out))
         full = len(_HOSTS) > HOSTS_KEPT
     if full:
         release_hosts(HOSTS_KEPT // 2)
@@ -254,7 +266,7 @@ def host_array(data, ctx, dtype):
 
 
 def release_hosts(count=None):
-    """Free the host wrappers of ``host_array`` (waiting for copies not done
+    """Let go of the host data of ``host_array`` (waiting for copies not done
     yet), the oldest ``count`` or all: called where the thread waits for
     kernels anyway (a read), when more than ``HOSTS_KEPT`` are kept, and at
     exit."""
@@ -269,8 +281,8 @@ def release_hosts(count=None):
 
 @atexit.register
 def _release_at_exit():
-    # before MXNet's own exit hook (registered earlier, so run later) and while
-    # the interpreter can still run the wrappers' Python callbacks
+    # before MXNet's own exit hook (registered earlier, so run later): no copy
+    # may still read host data the interpreter's shutdown frees
     waitall()
     release_hosts()
 
