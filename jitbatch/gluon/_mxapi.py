@@ -51,6 +51,7 @@ nd_stack = nd.stack
 nd_array = nd.array
 copyto = NDArray.copyto
 waitall = nd.waitall
+to_dlpack_for_write = nd.to_dlpack_for_write
 nd_setitem = NDArray.__setitem__
 #: MXNet's index arrays of advanced indexing (it casts them with ``astype``)
 advanced_index_to_array = NDArray._advanced_index_to_array  # pylint: disable=protected-access
@@ -156,6 +157,11 @@ def memory_span(arr):
     if not ptr.value:
         return None
     return ptr.value, ptr.value + arr.size * np.dtype(arr.dtype).itemsize
+
+
+def wait_to_write(arr):
+    """Wait until every pending operation that reads or writes ``arr`` is done."""
+    check_call(_LIB.MXNDArrayWaitToWrite(arr.handle))
 
 
 def dtype_name(dtype):

@@ -147,6 +147,18 @@ def make_attach_grad(orig):
     return attach_grad
 
 
+def make_dlpack_for_write(orig):
+    """``nd.to_dlpack_for_write``: MXNet waits there for every operation that
+    reads the array, and the memory is then the caller's to write, through
+    another library no hook sees; per sample the calls made before had read
+    it, so the pending calls that read it run first."""
+    @wraps(orig)
+    def to_dlpack_for_write(data):
+        before_write(data)
+        return orig(data)
+    return to_dlpack_for_write
+
+
 def make_replacing(orig):
     """``Parameter.reset_ctx`` / ``cast``: MXNet replaces the parameter's
     arrays, which recorded calls read at their launch, so this thread's

@@ -526,7 +526,9 @@ def install():
             _set(owner, name, drops_mode(getattr(owner, name)))
     for name, orig, ours in (("stack", _mxapi.nd_stack, _stack),
                              ("waitall", _mxapi.waitall, guards.waitall),
-                             ("array", _mxapi.nd_array, _array)):
+                             ("array", _mxapi.nd_array, _array),
+                             ("to_dlpack_for_write", _mxapi.to_dlpack_for_write,
+                              guards.make_dlpack_for_write(_mxapi.to_dlpack_for_write))):
         shim = wraps(orig)(ours)
         for mod in (_ndmod, _ndmod.op, _ndmod.ndarray, _ndmod.utils):
             if getattr(mod, name, None) is orig:

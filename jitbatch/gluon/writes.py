@@ -132,10 +132,17 @@ def run_parked(g, reason, still=None):
 
 def _run_readers(g, target, param):
     """``before_write``'s pending calls that read ``target``: they run first."""
-    if param or type(target) is LazyArray or id(target) in g.reads or _overlaps_a_read(g, target):
+    shared = () if param or type(target) is LazyArray or id(target) in g.reads \
+        else _overlapping_reads(g, target)
+    if param or type(target) is LazyArray or id(target) in g.reads or shared:
         read = _read_while_recording(target)
         run_parked(g, "write", lambda: param or id(target) in g.reads or
-                   _overlaps_a_read(g, target))
+                   bool(_overlapping_reads(g, target)))
+        # an array over the same memory made outside MXNet's views (DLPack,
+        # nd.from_numpy) has an engine variable of its own: the engine would not
+        # order this write after the launches that read the memory
+        for a in shared:
+            _mxapi.wait_to_write(a)
         if read and _mxapi.autograd_state()[0]:
             raise BatchingError(
                 "Inplace operations (+=, -=, x[:]=, etc) are not supported when recording "
@@ -146,16 +153,16 @@ def _run_readers(g, target, param):
                 "instead of changing this one in place.")
 
 
-def _overlaps_a_read(g, target):
-    """Whether ``target``'s memory overlaps an array pending calls read: a view
-    of it (``states[i:i+1]`` handed to a call, then ``states[1:2] = 0``), or an
+def _overlapping_reads(g, target):
+    """The arrays pending calls read whose memory overlaps ``target``'s: a view
+    of it (``states[i:i+1]`` handed to a call, then ``states[1:2] = 0``), an
     array it views (``w[0][:] = v``), parameters of pending blocks included.
     The reads' spans are made at the first write of a graph, then extended."""
     if type(target) is LazyArray:
-        return False
+        return ()
     mine = _mxapi.memory_span(target)
     if mine is None or mine[0] == mine[1]:
-        return False
+        return ()
     gr: Graph = g
     spans = gr.spans
     if spans is None:
@@ -168,13 +175,10 @@ def _overlaps_a_read(g, target):
                 if type(a) is not LazyArray and isinstance(a, NDArray):
                     span = _mxapi.memory_span(a)
                     if span is not None:
-                        found.append(span)
+                        found.append((span[0], span[1], a))
         spans[0] = len(reads)
     lo, hi = mine
-    for start, end in spans[1]:
-        if start < hi and lo < end:
-            return True
-    return False
+    return [a for start, end, a in spans[1] if start < hi and lo < end]
 
 
 def _param_arrays(block):
