@@ -99,17 +99,24 @@ def _registered_name(handle):
     return py_str(name.value)
 
 
-def infer_by_symbol(handle, metas, keys, vals):
-    """Per-sample output (shape, dtype) list of operator ``handle`` on inputs
-    of ``metas`` ((shape, dtype) pairs) by MXNet's symbolic inference, without
-    running it; None where that infers nothing."""
+def _atomic(handle, keys, vals, count):
+    """Operator ``handle`` with attributes ``keys`` / ``vals`` as a symbol on
+    ``count`` variables ``in0``, ``in1``, ..."""
     sym_handle = SymbolHandle()
     check_call(_LIB.MXSymbolCreateAtomicSymbol(
         ctypes.c_void_p(handle), mx_uint(len(keys)), c_str_array(list(keys)),
         c_str_array([str(v) for v in vals]), ctypes.byref(sym_handle)))
     sym = Symbol(sym_handle)
+    sym._compose(*[var("in%d" % i) for i in range(count)], name="trial")  # pylint: disable=protected-access
+    return sym
+
+
+def infer_by_symbol(handle, metas, keys, vals):
+    """Per-sample output (shape, dtype) list of operator ``handle`` on inputs
+    of ``metas`` ((shape, dtype) pairs) by MXNet's symbolic inference, without
+    running it; None where that infers nothing."""
+    sym = _atomic(handle, keys, vals, len(metas))
     names = ["in%d" % i for i in range(len(metas))]
-    sym._compose(*[var(n) for n in names], name="trial")  # pylint: disable=protected-access
     try:
         _, shapes, _ = sym.infer_shape(**{n: tuple(m[0]) for n, m in zip(names, metas)})
         _, dtypes, _ = sym.infer_type(**{n: np.dtype(m[1]) for n, m in zip(names, metas)})
@@ -118,6 +125,24 @@ def infer_by_symbol(handle, metas, keys, vals):
     if not shapes or not dtypes or any(s is None or d is None for s, d in zip(shapes, dtypes)):
         return None
     return tuple((tuple(s), d) for s, d in zip(shapes, dtypes))
+
+
+_AUX = {}   # (handle, keys, vals, input count) -> how many inputs are auxiliary states
+
+
+def aux_states(handle, keys, vals, count):
+    """How many of the ``count`` inputs of a call of operator ``handle`` are
+    auxiliary states (the last ones): arrays it may write as it runs, as a
+    custom operator's running mean; 0 where MXNet names none."""
+    key = (handle, tuple(keys), tuple(str(v) for v in vals), count)
+    n = _AUX.get(key)
+    if n is None:
+        try:
+            n = len(_atomic(handle, keys, vals, count).list_auxiliary_states())
+        except MXNetError:
+            n = 0
+        _AUX[key] = n
+    return n
 
 
 def op_name(handle):

@@ -53,6 +53,10 @@ _tls = threading.local()
 _SCOPES = 0   # unflagged blocks running on lazy arguments, all threads (see _scoped_forward)
 
 
+#: Python custom operators (``nd.Custom``): one handle, whatever the op_type
+_CUSTOM = _mxapi.op_handle("Custom")
+
+
 def installed():
     return bool(_patches)
 
@@ -67,6 +71,14 @@ def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     if handle in MUTATING:  # it writes its inputs (zero_grad's reset_arrays): the same
         for a in ndargs:
             before_write(a)
+    elif handle == _CUSTOM:
+        aux = _mxapi.aux_states(handle, keys, vals, len(ndargs))
+        if aux:
+            # a custom operator whose forward writes its auxiliary states (a
+            # running mean): at once, in program order, after what reads them
+            for a in ndargs[len(ndargs) - aux:]:
+                before_write(a)
+            return _mxapi.invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list)
     for a in ndargs:
         if type(a) is LazyArray:
             break
@@ -150,10 +162,10 @@ def _array(source_array, ctx=None, dtype=None):
             except (TypeError, ValueError):
                 values = None
             where = ctx or current_context()
-            # pinned memory is made at once: a pending value would be on the
-            # CPU (what operators on pinned arrays compute on, meta.compute_context)
+            # pinned or shared memory is made at once: a pending value would be
+            # on the CPU (what operators on them compute on, meta.compute_context)
             if values is not None and values.ndim and values.size and \
-                    values.dtype.kind in "biuf" and where.device_type != "cpu_pinned":
+                    values.dtype.kind in "biuf" and where.device_type not in meta.HOST_MEMORY:
                 return record_const(g, values, where)
     return _mxapi.nd_array(source_array, ctx=ctx, dtype=dtype)
 
@@ -163,7 +175,7 @@ def _copyto(self, other):
     array copied to another device is recorded, so that a loop moving each
     sample's output to one device does not run the graph at every sample."""
     if type(self) is LazyArray and isinstance(other, Context) and \
-            other.device_type != "cpu_pinned":       # pinned memory is made at once
+            other.device_type not in meta.HOST_MEMORY:   # pinned, shared: made at once
         g: Graph = current_graph()
         dst = meta.device(other)
         if g.nodes and not g.executing and dst is not self.context:
@@ -421,6 +433,26 @@ def _makes_sparse(out):
     return None
 
 
+def _writes_state(out):
+    """Why traced graph ``out`` cannot run deferred because a custom operator
+    in it writes an auxiliary state as it runs (a running mean: its calls
+    must run in program order, each at its call), or None."""
+    aux = out.list_auxiliary_states()
+    text = out.tojson()
+    if not aux or '"Custom"' not in text:
+        return None
+    nodes = json.loads(text)["nodes"]
+    names = set(aux)
+    for node in nodes:
+        if node["op"] == "Custom" and \
+                any(nodes[i[0]]["op"] == "null" and nodes[i[0]]["name"] in names
+                    for i in node["inputs"]):
+            return "its custom operator %s (op_type %r) writes an auxiliary state as it " \
+                   "runs, so its calls must run in program order, each at its call" \
+                   % (node["name"], node.get("attrs", {}).get("op_type"))
+    return None
+
+
 def _traced_in_this_mode(block):
     """Drop a flagged block's traced graph if it was traced in the other mode
     of MXNet's NumPy interface (its outputs would be of the other array type;
@@ -443,9 +475,10 @@ def _get_graph(self, *args):
         if fresh and self._jb_cfg is not None:
             self.__dict__["_jb_np"] = np_array_mode()
             asked = _trace_asking_mode(self, args)
+            traced = self._cached_graph[1]  # pylint: disable=protected-access
             why = ("its hybrid_forward asks autograd.%s(), so a traced graph would keep "
                    "the answer of its first call (plain hybridize() does)" % asked) if asked \
-                else _makes_sparse(self._cached_graph[1])  # pylint: disable=protected-access
+                else _makes_sparse(traced) or _writes_state(traced)
             if why:
                 _mxapi.clear_cached_op(self)
                 self._jb_cfg = None
@@ -456,7 +489,9 @@ def _get_graph(self, *args):
                     "one block: %s." % (self.name, why, "pass the mode in as an input "
                                         "array, or compute both branches and pick with "
                                         "F.where" if asked else "make the sparse storage "
-                                        "outside the block, from its dense output"),
+                                        "outside the block, from its dense output"
+                                        if "sparse" in why else "keep the state outside the "
+                                        "graph, as an input and an output of the block"),
                     ContractWarning, stacklevel=2)
                 raise Unhybridized(self)
             res = self._cached_graph  # pylint: disable=protected-access

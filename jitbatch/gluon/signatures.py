@@ -167,7 +167,8 @@ VALUE_SHAPED = set()
 _RESHAPES = ("Reshape", "reshape")
 def op_signature(handle, keys, vals, metas, mode, output_is_list):
     """The signature of an operator call on arguments of ``metas``; None for
-    an operator whose output shapes depend on values (added to VALUE_SHAPED)."""
+    an operator whose output shapes depend on values (added to VALUE_SHAPED),
+    or a custom one whose shapes its ``infer_shape`` does not give."""
     vkey = tuple(vals)
     try:
         hash(vkey)
@@ -194,14 +195,21 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         if wrong is not None and mode[0]:
             raise NotDifferentiableError("operator %s, recorded by autograd: MXNet 1.9.1's "
                                          "gradient of it is wrong: %s." % (name, wrong))
-        out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
-        try:
-            ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, second=True)
-        except Exception:  # pylint: disable=broad-except
-            ones = out_meta     # (an index of 1 out of range: the zeros' run stands)
-        if ones != out_meta:
-            VALUE_SHAPED.add(handle)
-            return None
+        if name == "Custom":
+            # a trial run would run the user's Python forward on zeros (a
+            # check of its input fails); its own infer_shape gives the shapes
+            out_meta = _mxapi.infer_by_symbol(handle, shapes, list(keys), list(vals))
+            if out_meta is None:
+                return None     # (this call runs now; not all Custom calls do)
+        else:
+            out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
+            try:
+                ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, second=True)
+            except Exception:  # pylint: disable=broad-except
+                ones = out_meta     # (an index of 1 out of range: the zeros' run stands)
+            if ones != out_meta:
+                VALUE_SHAPED.add(handle)
+                return None
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
