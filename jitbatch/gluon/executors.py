@@ -23,7 +23,7 @@ from . import _mxapi, gather
 from .axis_rules import RANDOM
 from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
-from .meta import compute_context
+from .meta import HOST_MEMORY, compute_context
 
 
 #: id of a parameter array of a traced dynamic_batch block -> a weak reference to
@@ -173,17 +173,17 @@ class BlockExec(object):
                 finish([node], outs)
 
 
-_PINNED = Context.devstr2type["cpu_pinned"]
+_HOST_MEMORY = frozenset(Context.devstr2type[t] for t in HOST_MEMORY)
 
 
 def unpinned(arrays):
-    """``arrays``, those in pinned memory copied to the CPU: a CachedOp refuses
-    inputs on another device than its parameters' (plain hybridize() too),
-    where per-sample operators read pinned memory as the CPU's (one check per
-    input of a launch)."""
+    """``arrays``, those in pinned or shared memory copied to the CPU: a
+    CachedOp refuses inputs on another device than its parameters' (plain
+    hybridize() too), where per-sample operators read such memory as the
+    CPU's (one check per input of a launch)."""
     for a in arrays:
         m = _mxapi.concrete_meta(a)
-        if m is not None and m[2][0] == _PINNED:
+        if m is not None and m[2][0] in _HOST_MEMORY:
             return [x.as_in_context(compute_context(x.context)) if isinstance(x, nd.NDArray)
                     else x for x in arrays]
     return arrays

@@ -94,12 +94,17 @@ def meta(a):
     return m
 
 
+#: host memory of another kind (pinned, or shared: ``DataLoader`` workers'
+#: batches), which MXNet's operators compute on as the CPU
+HOST_MEMORY = ("cpu_pinned", "cpu_shared")
+
+
 def compute_context(ctx):
     """The device an operator on an array in ``ctx`` computes on: the CPU for
-    pinned memory (MXNet: "pinned context doesn't propagate"; an operator's
-    output is never pinned), so a pinned sample's outputs are on the CPU and
-    its calls merge with those of CPU samples."""
-    return Context("cpu", ctx.device_id) if ctx.device_type == "cpu_pinned" else ctx
+    pinned or shared memory (MXNet: "pinned context doesn't propagate"; an
+    operator's output is never pinned nor shared), so such a sample's outputs
+    are on the CPU and its calls merge with those of CPU samples."""
+    return Context("cpu", ctx.device_id) if ctx.device_type in HOST_MEMORY else ctx
 
 
 def forget():
