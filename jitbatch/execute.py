@@ -13,7 +13,7 @@ try:
 except ImportError:  # running from source without Cython installed
     from . import _nocython as cython
 
-from . import config, cost, schedule
+from . import config, cost, gcdefer, schedule
 from .errors import BudgetWarning, ExecutionError, JitBatchError
 from .graph import Group, Node
 from .pipeline import PIPELINES
@@ -71,10 +71,15 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     limit = graph.limit       # the graph's chunk size, if pipelined (take resets it)
     held = graph.reads        # what the pending calls read stays alive through the flush
     nodes = graph.take()
+    collecting = config.defer_gc
+    if collecting:
+        gcdefer.pause()
     try:
         _flush(graph, nodes, backend, policy, budget, forced, reason, granularity,
                limit if limit < config.max_pending else None)
     finally:
+        if collecting:
+            gcdefer.resume()
         graph.done()
     chunk = reason in _CHUNKS
     graph.retire(nodes, release=forced or chunk, ends_graph=not chunk)

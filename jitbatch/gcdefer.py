@@ -1,4 +1,5 @@
-"""Python's cyclic GC while a graph is pending: old generations wait, young ones run.
+"""Python's cyclic GC while a graph is pending: old generations wait, young ones
+run; during a flush none does.
 
 Every object a pending graph allocates stays alive until its flush, so each
 collection of the older generations during recording rescans the growing
@@ -8,8 +9,10 @@ thresholds of generations 1 and 2 are raised; generation 0 keeps its own, so
 the cyclic garbage a program makes meanwhile (even around a graph that is
 never read) is still collected as it would be. The first flush that leaves no
 graph pending restores the thresholds; so does the end of a thread that left
-one pending. ``config.defer_gc = False`` leaves the
-GC alone."""
+one pending. A collection inside a flush would run finalizers (a tree node's
+``__del__`` that reads its state) in the middle of it, where the graph's
+arrays cannot be computed, so the GC is off while a flush runs (``pause``).
+``config.defer_gc = False`` leaves the GC alone."""
 import gc
 import threading
 
@@ -84,3 +87,23 @@ def pending():
 def deferred():
     """Whether the older generations are deferred now."""
     return _saved[0] is not None
+
+
+_paused = [0, False]    # flushes running now, and whether the GC was on before the first
+
+
+def pause():
+    """A flush starts: no collection until every running flush has ended."""
+    with _lock:
+        if not _paused[0]:
+            _paused[1] = gc.isenabled()
+            gc.disable()
+        _paused[0] += 1
+
+
+def resume():
+    """A flush has ended (``pause``)."""
+    with _lock:
+        _paused[0] -= 1
+        if not _paused[0] and _paused[1]:
+            gc.enable()
