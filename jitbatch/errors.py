@@ -31,3 +31,10 @@ class ContractWarning(UserWarning):
 class BudgetWarning(UserWarning):
     """An ``analysis_budget`` keeps policy 'auto' from batching work that could
     merge (said once per budget, with the smallest budget that would batch)."""
+
+
+def first_line(error):
+    """The first line of an error's text (its type's name if it has none),
+    for a message of jitbatch's own around a framework's error."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -115,9 +115,9 @@ def infer_by_symbol(handle, metas, keys, vals):
     """Per-sample output (shape, dtype) list of operator ``handle`` on inputs
     of ``metas`` ((shape, dtype) pairs) by MXNet's symbolic inference, without
     running it; None where that infers nothing."""
-    sym = _atomic(handle, keys, vals, len(metas))
     names = ["in%d" % i for i in range(len(metas))]
     try:
+        sym = _atomic(handle, keys, vals, len(metas))
         _, shapes, _ = sym.infer_shape(**{n: tuple(m[0]) for n, m in zip(names, metas)})
         _, dtypes, _ = sym.infer_type(**{n: np.dtype(m[1]) for n, m in zip(names, metas)})
     except MXNetError:

@@ -437,3 +437,28 @@ def infer_outputs(handle, metas, keys, vals, ctx, second=False):
                     return known
             raise
     return tuple((o.shape, o.dtype) for o in out)
+
+
+def op_outputs(handle, name, metas, keys, vals, ctx):
+    """``(per-sample output (shape, dtype) list, False)`` of a call of operator
+    ``handle`` (registered as ``name``) on arguments of ``metas``; ``(None,
+    True)`` where the shapes depend on the arguments' values (a second trial
+    run, on ones, gave others than the zeros' run), ``(None, False)`` for a
+    custom operator whose own ``infer_shape`` does not give them."""
+    if name == "Custom":
+        # a trial run would run the user's Python forward on zeros (a check of
+        # its input fails, a side effect sees a call that never was)
+        return _mxapi.infer_by_symbol(handle, metas, keys, vals), False
+    out = infer_outputs(handle, metas, keys, vals, ctx)
+    # the run on ones only where MXNet's symbolic inference does not give the
+    # zeros' shapes: on ones, scatter_nd (which checks no index) wrote past a
+    # one-row target and the allocator aborted the process
+    known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
+    if known is None or [s for s, _ in known] != [m[0] for m in out]:
+        try:
+            ones = infer_outputs(handle, metas, keys, vals, ctx, second=True)
+        except Exception:  # pylint: disable=broad-except
+            ones = out      # (an index of 1 out of range: the zeros' run stands)
+        if ones != out:
+            return None, True
+    return out, False

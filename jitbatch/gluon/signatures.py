@@ -29,10 +29,10 @@ from mxnet.base import MXNetError
 from mxnet.gluon.block import _flatten
 
 from .. import config as _config
-from ..errors import BatchingError, ContractWarning
+from ..errors import BatchingError, ContractWarning, first_line
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
-from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, infer_outputs,
+from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
                         watch_params)
 from .flags import Unhybridized, pad_names
 from .lazy import LazyArray, NotDifferentiableError
@@ -195,21 +195,11 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         if wrong is not None and mode[0]:
             raise NotDifferentiableError("operator %s, recorded by autograd: MXNet 1.9.1's "
                                          "gradient of it is wrong: %s." % (name, wrong))
-        if name == "Custom":
-            # a trial run would run the user's Python forward on zeros (a
-            # check of its input fails); its own infer_shape gives the shapes
-            out_meta = _mxapi.infer_by_symbol(handle, shapes, list(keys), list(vals))
-            if out_meta is None:
-                return None     # (this call runs now; not all Custom calls do)
-        else:
-            out_meta = infer_outputs(handle, shapes, list(keys), list(vals), ctx)
-            try:
-                ones = infer_outputs(handle, shapes, list(keys), list(vals), ctx, second=True)
-            except Exception:  # pylint: disable=broad-except
-                ones = out_meta     # (an index of 1 out of range: the zeros' run stands)
-            if ones != out_meta:
+        out_meta, by_value = op_outputs(handle, name, shapes, list(keys), list(vals), ctx)
+        if out_meta is None:
+            if by_value:
                 VALUE_SHAPED.add(handle)
-                return None
+            return None
         svals = [str(v) for v in vals]
         rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
                         [m[0] for m in out_meta])
@@ -361,7 +351,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "and no explicit states (the layer makes zero states for the merged rows), or "
                 "loop its cell "
                 "(gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block without "
-                "dynamic_batch. (MXNet: %s)" % (block.name, shapes, _first_line(e)))
+                "dynamic_batch. (MXNet: %s)" % (block.name, shapes, first_line(e)))
         params = list(block.collect_params().values())
         pdt = {np.dtype(p.dtype).name for p in params}
         if len(pdt) == 1 and np.issubdtype(np.dtype(dtypes[0]), np.floating) and \
@@ -371,10 +361,10 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "block %s: argument 0 is %s but the block's parameters are %s, so MXNet "
                 "cannot infer its outputs (%s). Fix: cast the input with .astype('%s'), or "
                 "the block with .cast('%s')."
-                % (block.name, np.dtype(dtypes[0]).name, want, _first_line(e), want,
+                % (block.name, np.dtype(dtypes[0]).name, want, first_line(e), want,
                    np.dtype(dtypes[0]).name)) from e
         head = "block %s: output shapes cannot be inferred from inputs %s (%s): %s." % (
-            block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), _first_line(e))
+            block.name, shapes, ", ".join(np.dtype(d).name for d in dtypes), first_line(e))
         broadcast = contract.unbroadcast_op(out, str(e))
         if broadcast is not None:
             raise BatchingError(
@@ -418,7 +408,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "outputs, or hybridize this block without dynamic_batch."
                 % (block.name, k, shapes, contract.unknown_shape_op(out, names, shapes)))
         if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
-            crossed = contract.crossed_rows(block.name, shapes, k, a, b)
+            crossed = contract.crossed_rows(block.name, shapes, k, a, b, out, names)
             if crossed is not None:
                 raise BatchingError(crossed)
             raise BatchingError(
@@ -491,13 +481,6 @@ class InputShapeError(BatchingError, MXNetError):
     malformed samples with ``except MXNetError`` goes on)."""
 
 
-def _first_line(error):
-    """The first line of an MXNet error's text (its type's name if it has none),
-    for a message of jitbatch's own."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
 def _shapes_by_running(block, args, mode):
     """Output shapes of ``block`` called on zeros shaped as ``args`` (nested
     lists of arrays), autograd paused, in the call's train mode."""
@@ -567,7 +550,7 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
             "(one more along the padded axes): %s. Fix: declare only axes whose size the "
             "block takes as it comes (a sum or a masked softmax over them, e.g. children or "
             "keys), or drop the declaration: jitbatch.zero_pad(block) with no axes."
-            % (block.name, pad_names(block), grown, _first_line(e))) from e
+            % (block.name, pad_names(block), grown, first_line(e))) from e
     for k, (a, b) in enumerate(zip(o1, o3)):
         if tuple(a) != tuple(b):
             raise BatchingError(
