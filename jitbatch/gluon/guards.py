@@ -12,7 +12,7 @@ from functools import wraps
 from mxnet.base import MXNetError
 
 from .. import execute, gcdefer
-from ..errors import BatchingError
+from ..errors import BatchingError, first_line
 from ..graph import Graph, Node, current_graph
 from . import _mxapi
 from .executors import BlockExec
@@ -221,6 +221,25 @@ def make_trainer_update(orig):
     return update
 
 
+def _run_unmerged(g):
+    """Run graph ``g``'s pending calls one launch each, where a gradient of a
+    gradient (``create_graph``) will reach them: a merged launch gathers its
+    rows by ``take`` / ``Concat``, whose gradients MXNet 1.9.1 cannot
+    differentiate. (In ``jitbatch.map`` the sample parks, and the flush that
+    serves the parked samples runs unmerged.)"""
+    gr: Graph = g
+    if not gr.nodes or gr.executing:
+        return
+    forced = gr.policy != "sequential"
+    if forced:
+        kept, gr.policy = gr.policy, "sequential"
+    try:
+        run_parked(g, "grad")
+    finally:
+        if forced and gr.policy == "sequential":
+            gr.policy = kept
+
+
 def _blocks_behind(heads):
     """The names of the flagged blocks whose pending calls the lazy ``heads``
     were computed from (the heads' own nodes are often a loss's operators)."""
@@ -279,10 +298,20 @@ def make_grad(orig):
         listed = heads if isinstance(heads, (list, tuple)) else [heads]
         if create_graph:      # the heads' blocks, while their nodes are pending
             names = _blocks_behind(listed)
+            _run_unmerged(current_graph())
         before_backward(listed)
         try:
             return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
         except MXNetError as e:
+            if create_graph and "is non-differentiable" in str(e):
+                raise NotDifferentiableError(
+                    "autograd.grad(..., create_graph=True) reached a launch that merged "
+                    "calls: its rows were gathered by take / Concat, whose gradients MXNet "
+                    "1.9.1 cannot differentiate (%s). The calls pending at this "
+                    "autograd.grad run one launch each; these ran merged before it (a read "
+                    "or a flush ran them). Fix: call autograd.grad before reading values "
+                    "on the penalty's path, or flag these blocks with policy='sequential'."
+                    % first_line(e)) from e
             if not create_graph or "higher order gradients" not in str(e):
                 raise
             raise NotDifferentiableError(
