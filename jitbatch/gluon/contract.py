@@ -187,27 +187,45 @@ def control_flow(out):
     return None
 
 
-def crossed_rows(name, shapes, k, a, b):
+def crossed_rows(name, shapes, k, a, b, out=None, names=None):
     """The error for an output ``k`` that at twice the rows grows along another
-    axis too (``a`` -> ``b``): an operator broadcast arrays whose samples lie
-    along different axes (``(1,)`` against ``(1, 1)``; merged, ``(N,)``
-    against ``(N, 1)`` make ``(N, N)``), naming the arguments of all-ones
-    shape of more than one axis, the usual culprits; None for other growth."""
+    axis too (``a`` -> ``b``), naming the first operator of graph ``out`` (on
+    inputs ``names``) whose output does: samples that meet along another axis,
+    as a broadcast of ``(1,)`` against ``(1, 1)`` (merged, ``(N,)`` against
+    ``(N, 1)`` make ``(N, N)``; the arguments of all-ones shape of more than
+    one axis are named, the usual culprits) or ``take`` of a per-sample index
+    vector along axis 1; None for other growth."""
     if len(b) != len(a) or b[0] != 2 * a[0] or \
             not any(y == 2 * x for x, y in zip(a[1:], b[1:])):
         return None
+    where = ""
+    if out is not None:
+        nodes = json.loads(out.tojson())["nodes"]
+        one, two = internal_shapes(out, nodes, names, shapes)
+        for j, node in enumerate(nodes):
+            if node["op"] != "null" and any(
+                    len(x) == len(y) and len(x) > 1 and y[0] == 2 * x[0] and
+                    any(q == 2 * p for p, q in zip(x[1:], y[1:]))
+                    for x, y in zip(one.get(j, []), two.get(j, []))):
+                where = " Its operator %s (graph node %s) is the first to do so." % (
+                    node["op"], node["name"])
+                break
     ones = [i for i, s in enumerate(shapes) if len(s) > 1 and all(d == 1 for d in s)]
     culprit = (" (here argument%s %s, of shape %s)" % (
         "s" if len(ones) > 1 else "", ", ".join(map(str, ones)),
         ", ".join(str(shapes[i]) for i in ones))) if ones else ""
     return ("block %s cannot be batched along axis 0: for inputs %s its output %d has shape "
             "%s, but for twice the rows it has %s: it grows along another axis too, so an "
-            "operator broadcasts two arrays whose samples lie along different axes (a (1,) "
-            "array against a (1, 1) one is (1, 1) per sample; merged, (N,) against (N, 1) "
-            "is (N, N): every sample would meet every other). Fix: give the arrays the "
-            "block combines the same number of axes%s, e.g. reshape a (1, 1) argument to "
-            "(1,) (a loss's sample_weight to the loss's shape), or hybridize this block "
-            "without dynamic_batch." % (name, shapes, k, a, b, culprit))
+            "operator combines arrays whose samples lie along different axes, and every "
+            "sample would meet every other (a broadcast of a (1,) array against a (1, 1) one "
+            "is (1, 1) per "
+            "sample; merged, (N,) against (N, 1) is (N, N); take of a per-sample index "
+            "vector along axis 1 picks every sample's columns from every row).%s Fix: give "
+            "the arrays the block combines the same number of axes%s, e.g. reshape a (1, 1) "
+            "argument to (1,) (a loss's sample_weight to the loss's shape); for columns "
+            "taken by a per-sample index vector, F.pick with one index per row; or hybridize "
+            "this block without dynamic_batch."
+            % (name, shapes, k, a, b, where, culprit))
 
 
 def sparse_added(block, mode):
