@@ -228,6 +228,33 @@ def crossed_rows(name, shapes, k, a, b, out=None, names=None):
             % (name, shapes, k, a, b, where, culprit))
 
 
+def structure_changed(name, first, now):
+    """The error for a call of block ``name`` whose arguments' structure
+    (Gluon's format: 0 an array, -1 None, a list a nested list) differs from
+    its first call's: an argument that was None and is an array now (an
+    optional mask), or a varying number of arrays."""
+    def slots(fmt, path):
+        if isinstance(fmt, list):
+            for i, f in enumerate(fmt):
+                yield from slots(f, path + (i,))
+        else:
+            yield path, fmt
+    was, got = dict(slots(first, ())), dict(slots(now, ()))
+    for path in sorted(set(was) & set(got)):
+        if {was[path], got[path]} == {0, -1}:
+            where = "argument %s" % ".".join(map(str, path))
+            return ("block %s: %s was %s in its first call and is %s now; a hybridized block "
+                    "keeps one structure (plain hybridize() refuses alike). Fix: pass an "
+                    "array in every call (an all-ones mask for a mask that is None), or "
+                    "hybridize this block without dynamic_batch." % (
+                        name, where, "None" if was[path] == -1 else "an array",
+                        "an array" if got[path] == 0 else "None"))
+    return ("block %s was first called with argument structure %s and now with %s (0 an "
+            "array, -1 None, a list a nested list); a hybridized block keeps one structure. "
+            "Fix: pass a varying number of arrays as one stacked array (e.g. "
+            "nd.stack(*children, axis=1))." % (name, first, now))
+
+
 def sparse_added(block, mode):
     """The ``Mix`` of a recorded block with a row_sparse gradient accumulated
     (``grad_req='add'``): MXNet's sparse embedding gradient refuses to add,

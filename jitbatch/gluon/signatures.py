@@ -297,11 +297,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         else:
             p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
     if block._in_format != fmt:  # pylint: disable=protected-access
-        raise BatchingError(
-            "block %s was first called with argument structure %s and now with %s; a "
-            "hybridized block keeps one structure. Fix: pass a varying number of arrays "
-            "as one stacked array (e.g. nd.stack(*children, axis=1))."
-            % (block.name, block._in_format, fmt))  # pylint: disable=protected-access
+        raise BatchingError(contract.structure_changed(block.name, block._in_format, fmt))  # pylint: disable=protected-access
     names = [s.name for s in inputs]
     shapes = [m[0] for m in mc]
     dtypes = [m[1] for m in mc]
