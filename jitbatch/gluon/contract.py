@@ -243,12 +243,13 @@ def structure_changed(name, first, now):
     for path in sorted(set(was) & set(got)):
         if {was[path], got[path]} == {0, -1}:
             where = "argument %s" % ".".join(map(str, path))
-            return ("block %s: %s was %s in its first call and is %s now; a hybridized block "
-                    "keeps one structure (plain hybridize() refuses alike). Fix: pass an "
-                    "array in every call (an all-ones mask for a mask that is None), or "
-                    "hybridize this block without dynamic_batch." % (
+            return ("block %s: %s was %s in its first call and is %s now (argument "
+                    "structures %s, then %s: 0 an array, -1 None); a hybridized block keeps "
+                    "one structure (plain hybridize() refuses alike). Fix: pass an array in "
+                    "every call (an all-ones mask for a mask that is None), or hybridize "
+                    "this block without dynamic_batch." % (
                         name, where, "None" if was[path] == -1 else "an array",
-                        "an array" if got[path] == 0 else "None"))
+                        "an array" if got[path] == 0 else "None", first, now))
     return ("block %s was first called with argument structure %s and now with %s (0 an "
             "array, -1 None, a list a nested list); a hybridized block keeps one structure. "
             "Fix: pass a varying number of arrays as one stacked array (e.g. "
