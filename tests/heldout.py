@@ -211,3 +211,23 @@ def dense_behind_a_stop(flagged_stop):
     and gradients)."""
     return _DENSE_BEHIND_A_STOP % flagged_stop
 
+
+def ragged(key, count=5, width=3, hi=3):
+    """``count`` seeded samples of 1 to ``hi`` rows of ``width`` values."""
+    rng = rng_for(key)
+    return [nd.array(rng.normal(size=(int(rng.integers(1, hi + 1)), width)))
+            for _ in range(count)]
+
+
+def flag_all(blocks, policy):
+    """Every block of ``blocks`` flagged with ``policy`` (None: plain)."""
+    for b in blocks:
+        flag(b, policy)
+
+
+def params_dict(*blocks):
+    """One ParameterDict of the parameters of ``blocks`` (one Trainer for all)."""
+    ps = mx.gluon.ParameterDict()
+    for b in blocks:
+        ps.update(b.collect_params())
+    return ps

@@ -79,6 +79,7 @@ from mxnet.gluon.data import ArrayDataset, DataLoader
 
 import jitbatch
 from heldout import initialized as init
+from heldout import flag_all, params_dict, ragged
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
                      rng_for, run_in_subprocess, same_values as same)
 
@@ -89,22 +90,6 @@ MERGING = ["depth", "agenda"]
 H = 4
 
 
-def ragged(key, count=5, width=3, hi=3):
-    rng = rng_for(key)
-    return [nd.array(rng.normal(size=(int(rng.integers(1, hi + 1)), width)))
-            for _ in range(count)]
-
-
-def flag_all(blocks, policy):
-    for b in blocks:
-        flag(b, policy)
-
-
-def params_dict(*blocks):
-    ps = gluon.ParameterDict()
-    for b in blocks:
-        ps.update(b.collect_params())
-    return ps
 
 
 # -- custom operators ----------------------------------------------------------------------

@@ -83,6 +83,8 @@ from mxnet.gluon import loss as gloss
 
 import jitbatch
 from heldout import initialized as init
+from heldout import flag_all, params_dict
+from heldout import ragged as ragged_rows
 from heldout import (both, error_of, flag, grads_of, merged, nothing_pending,  # noqa: F401
                      params_of, rng_for, run_in_subprocess, same_values as same)
 from oracle import cleanup
@@ -94,22 +96,9 @@ MERGING = ["depth", "agenda"]
 H = 4
 
 
-def ragged(key, count=6, width=3, hi=3):
-    rng = rng_for(key)
-    return [nd.array(rng.normal(size=(int(rng.integers(1, hi + 1)), width)))
-            for _ in range(count)]
 
-
-def flag_all(blocks, policy):
-    for b in blocks:
-        flag(b, policy)
-
-
-def params_dict(*blocks):
-    ps = gluon.ParameterDict()
-    for b in blocks:
-        ps.update(b.collect_params())
-    return ps
+def ragged(key, count=6, **kw):
+    return ragged_rows(key, count, **kw)
 
 
 def two_layers(prefix, width=H, out=2, activation=None):

@@ -45,6 +45,7 @@ from mxnet.gluon.contrib import nn as cnn
 
 import jitbatch
 from heldout import initialized as init
+from heldout import flag_all, params_dict, ragged
 from heldout import (both, flag, grads_of, nothing_pending,  # noqa: F401
                      params_of, rng_for, same_values as same)
 
@@ -53,22 +54,6 @@ POLICY = pytest.mark.parametrize("policy", POLICIES)
 MERGING = ["depth", "agenda"]
 
 
-def ragged(key, count=5, width=3, hi=3):
-    rng = rng_for(key)
-    return [nd.array(rng.normal(size=(int(rng.integers(1, hi + 1)), width)))
-            for _ in range(count)]
-
-
-def flag_all(blocks, policy):
-    for b in blocks:
-        flag(b, policy)
-
-
-def params_dict(*blocks):
-    ps = gluon.ParameterDict()
-    for b in blocks:
-        ps.update(b.collect_params())
-    return ps
 
 
 def train(nets, policy, sample, xs, steps=2, trainer_params=None, between=None):
