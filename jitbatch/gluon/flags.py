@@ -2,8 +2,10 @@
 
 Flags are validated when ``hybridize`` is called (``FlagError`` at once) and kept
 per block as a ``BatchConfig`` (``block._jb_cfg``; None: not flagged)."""
+import difflib
 import inspect
 import itertools
+import numbers
 
 from mxnet.gluon.block import HybridBlock
 
@@ -63,9 +65,28 @@ def renew_token(block):
     block._jb_token = Token(next(_SERIALS) if old is None else old.block)
 
 
+def misspelt_flag(block, kwargs, known):
+    """FlagError for a keyword of ``hybridize`` that is none of MXNet's
+    (``known``) and nearly one of jitbatch's flags (MXNet would take it for a
+    CachedOp flag and ignore it: the block would run unbatched, silently)."""
+    for key in kwargs:
+        if key not in known and key not in FLAG_KEYS:
+            near = difflib.get_close_matches(key, FLAG_KEYS, n=1, cutoff=0.75)
+            if near:
+                raise FlagError("hybridize(%s=%r) on %s: unknown flag (MXNet would ignore it "
+                                "and the block would run unbatched). Fix: %s=%r."
+                                % (key, kwargs[key], block.name, near[0], kwargs[key]))
+
+
 def parse_flags(block, kwargs):
     """The ``BatchConfig`` of jitbatch's flags in ``kwargs`` (popped), or None
     for ``dynamic_batch=False``; FlagError naming the bad value."""
+    if "dynamic_batch" not in kwargs and kwargs:
+        raise FlagError("hybridize(%s) on %s: %s only with dynamic_batch=True (without "
+                        "it the block is hybridized plainly and runs unbatched). Fix: "
+                        "hybridize(dynamic_batch=True, %s)."
+                        % (", ".join("%s=%r" % kv for kv in kwargs.items()), block.name,
+                           " and ".join(kwargs), ", ".join("%s=%r" % kv for kv in kwargs.items())))
     db = kwargs.pop("dynamic_batch", False)
     policy = kwargs.pop("policy", "auto")
     budget = kwargs.pop("analysis_budget", None)
@@ -77,7 +98,7 @@ def parse_flags(block, kwargs):
         raise FlagError("hybridize(policy=%r) on %s: unknown policy; expected one of %s"
                         % (policy, block.name, ", ".join(repr(p) for p in POLICIES)))
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget >= 0:
             raise FlagError("hybridize(analysis_budget=%r) on %s: expected a number >= 0 "
                             "(a fraction of the flush's predicted execution time) or None"
                             % (budget, block.name))

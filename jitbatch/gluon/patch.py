@@ -9,6 +9,7 @@ calls), MXNet's operator entry point (operators on lazy arrays),
 block whose tracing asks the autograd mode is left unhybridized). The guards
 on functions that change what pending calls read are in :mod:`.guards`; a patch
 wrapped by another library since (``amp.init``) stays at ``uninstall``."""
+import inspect
 import json
 import threading
 import warnings
@@ -38,7 +39,7 @@ from ..stats import STATS
 from . import _mxapi, guards, meta, rewrite, signatures
 from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
-from .flags import FLAG_KEYS, Unhybridized, parse_flags, renew_token
+from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
 from .interleave import in_sample
 from .lazy import LazyArray, detach
@@ -336,7 +337,10 @@ def _call(self, *args):
 
 
 def _make_hybridize(orig):
+    known = set(inspect.signature(orig).parameters)
+
     def hybridize(self, active=True, *args, **kwargs):
+        misspelt_flag(self, kwargs, known)
         ours = {k: kwargs.pop(k) for k in FLAG_KEYS if k in kwargs}
         outer = not getattr(_tls, "inside", False)
         cfg = parse_flags(self, ours) if outer else None
