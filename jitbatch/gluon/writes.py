@@ -132,9 +132,9 @@ def run_parked(g, reason, still=None):
 
 def _run_readers(g, target, param):
     """``before_write``'s pending calls that read ``target``: they run first."""
-    shared = () if param or type(target) is LazyArray or id(target) in g.reads \
-        else _overlapping_reads(g, target)
-    if param or type(target) is LazyArray or id(target) in g.reads or shared:
+    direct = param or type(target) is LazyArray or id(target) in g.reads
+    shared = () if direct else _overlapping_reads(g, target)
+    if direct or shared:
         read = _read_while_recording(target)
         run_parked(g, "write", lambda: param or id(target) in g.reads or
                    bool(_overlapping_reads(g, target)))
