@@ -404,19 +404,17 @@ class ConstExec(object):
 _RANDOM_HANDLES = frozenset(_mxapi.op_handle(name) for name in RANDOM)
 
 
-def infer_outputs(handle, metas, keys, vals, ctx, second=False):
+def infer_outputs(handle, metas, keys, vals, ctx, known, second=False):
     """Per-sample output (shape, dtype) list of an operator, found by running it
     once on ``_mxapi.trial`` arrays (zeros; ``second``: ones). A kernel's error (an index out of
     range, arrays whose shapes MXNet's inference let through) raises here, at
     the call: left to the engine, it would stay in an array no one reads and
-    reach a later read. A random operator's shapes come from MXNet's symbolic
-    inference where it gives them: a trial run would take numbers from the
-    generator a seeded program draws from; so do a linear-algebra operator's
-    where its kernel refuses the trial's zeros."""
-    if handle in _RANDOM_HANDLES:
-        known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
-        if known is not None:
-            return known
+    reach a later read. ``known``: the shapes MXNet's symbolic inference gives
+    (None: none), which a random operator takes where there are some: a trial
+    run would take numbers from the generator a seeded program draws from; so
+    does a linear-algebra operator where its kernel refuses the trial's zeros."""
+    if handle in _RANDOM_HANDLES and known is not None:
+        return known
     with ctx, autograd.pause(train_mode=False):
         divides = _mxapi.op_name(handle) in _mxapi.INT_DIVISIONS
         args = [_mxapi.trial(s, ctx, d, second, divides) for s, d in metas]
@@ -431,10 +429,8 @@ def infer_outputs(handle, metas, keys, vals, ctx, second=False):
                 pass
             # a linear-algebra kernel refuses zeros (a singular matrix) that
             # the sample's values are not: its shapes from symbolic inference
-            if _mxapi.op_name(handle).lstrip("_").startswith("linalg_"):
-                known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
-                if known is not None:
-                    return known
+            if _mxapi.op_name(handle).lstrip("_").startswith("linalg_") and known is not None:
+                return known
             raise
     return tuple((o.shape, o.dtype) for o in out)
 
@@ -445,18 +441,18 @@ def op_outputs(handle, name, metas, keys, vals, ctx):
     True)`` where the shapes depend on the arguments' values (a second trial
     run, on ones, gave others than the zeros' run), ``(None, False)`` for a
     custom operator whose own ``infer_shape`` does not give them."""
+    known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
     if name == "Custom":
         # a trial run would run the user's Python forward on zeros (a check of
         # its input fails, a side effect sees a call that never was)
-        return _mxapi.infer_by_symbol(handle, metas, keys, vals), False
-    out = infer_outputs(handle, metas, keys, vals, ctx)
+        return known, False
+    out = infer_outputs(handle, metas, keys, vals, ctx, known)
     # the run on ones only where MXNet's symbolic inference does not give the
     # zeros' shapes: on ones, scatter_nd (which checks no index) wrote past a
     # one-row target and the allocator aborted the process
-    known = _mxapi.infer_by_symbol(handle, metas, keys, vals)
     if known is None or [s for s, _ in known] != [m[0] for m in out]:
         try:
-            ones = infer_outputs(handle, metas, keys, vals, ctx, second=True)
+            ones = infer_outputs(handle, metas, keys, vals, ctx, known, second=True)
         except Exception:  # pylint: disable=broad-except
             ones = out      # (an index of 1 out of range: the zeros' run stands)
         if ones != out:
