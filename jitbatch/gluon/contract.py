@@ -198,18 +198,11 @@ def crossed_rows(name, shapes, k, a, b, out=None, names=None):
     if len(b) != len(a) or b[0] != 2 * a[0] or \
             not any(y == 2 * x for x, y in zip(a[1:], b[1:])):
         return None
-    where = ""
-    if out is not None:
-        nodes = json.loads(out.tojson())["nodes"]
-        one, two = internal_shapes(out, nodes, names, shapes)
-        for j, node in enumerate(nodes):
-            if node["op"] != "null" and any(
-                    len(x) == len(y) and len(x) > 1 and y[0] == 2 * x[0] and
-                    any(q == 2 * p for p, q in zip(x[1:], y[1:]))
-                    for x, y in zip(one.get(j, []), two.get(j, []))):
-                where = " Its operator %s (graph node %s) is the first to do so." % (
-                    node["op"], node["name"])
-                break
+    node = None if out is None else first_operator(out, names, shapes, lambda one, two: any(
+        len(x) == len(y) and len(x) > 1 and y[0] == 2 * x[0] and
+        any(q == 2 * p for p, q in zip(x[1:], y[1:])) for x, y in zip(one, two)))
+    where = "" if node is None else \
+        " Its operator %s (graph node %s) is the first to do so." % (node["op"], node["name"])
     ones = [i for i, s in enumerate(shapes) if len(s) > 1 and all(d == 1 for d in s)]
     culprit = (" (here argument%s %s, of shape %s)" % (
         "s" if len(ones) > 1 else "", ", ".join(map(str, ones)),
@@ -281,11 +274,19 @@ def unknown_shape(shape):
 def unknown_shape_op(out, names, shapes):
     """`` (operator X, graph node N, gives no shape)`` for the first operator of
     ``out`` whose output shape MXNet cannot infer from ``shapes``, or ''."""
-    graph = json.loads(out.tojson())
-    nodes = graph["nodes"]
-    one, _ = internal_shapes(out, nodes, names, shapes)
+    node = first_operator(out, names, shapes,
+                          lambda one, _: any(unknown_shape(s) for s in one))
+    return "" if node is None else \
+        " (its operator %s, graph node %s, gives no shape)" % (node["op"], node["name"])
+
+
+def first_operator(out, names, shapes, test):
+    """The first operator node of graph ``out`` (on inputs ``names`` of
+    ``shapes``) whose outputs' shapes at the call's rows and at twice the rows
+    pass ``test(one, two)`` (a node of unknown shapes: ``[()]`` and ``[]``), or None."""
+    nodes = json.loads(out.tojson())["nodes"]
+    one, two = internal_shapes(out, nodes, names, shapes)
     for j, node in enumerate(nodes):
-        if node["op"] != "null" and any(unknown_shape(s) for s in one.get(j, [()])):
-            return " (its operator %s, graph node %s, gives no shape)" % (node["op"],
-                                                                        node["name"])
-    return ""
+        if node["op"] != "null" and test(one.get(j, [()]), two.get(j, [])):
+            return node
+    return None
