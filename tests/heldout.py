@@ -231,3 +231,17 @@ def params_dict(*blocks):
     for b in blocks:
         ps.update(b.collect_params())
     return ps
+
+
+class Centre(mx.operator.CustomOp):
+    """A custom operator: ``x`` less its mean over axis 0 (it mixes the rows of
+    its input, so its calls must not merge). Each test module registers it
+    under an op_type of its own."""
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        x = in_data[0]
+        self.assign(out_data[0], req[0], nd.broadcast_sub(x, nd.mean(x, axis=0, keepdims=True)))
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        g = out_grad[0]
+        self.assign(in_grad[0], req[0], nd.broadcast_sub(g, nd.mean(g, axis=0, keepdims=True)))

@@ -78,6 +78,7 @@ from mxnet.gluon import Block, HybridBlock, nn, rnn
 from mxnet.gluon.data import ArrayDataset, DataLoader
 
 import jitbatch
+from heldout import Centre
 from heldout import initialized as init
 from heldout import flag_all, params_dict, ragged
 from heldout import (both, flag, grads_of, merged, nothing_pending, params_of,  # noqa: F401
@@ -166,18 +167,6 @@ class SoftmaxCE(mx.operator.CustomOp):
         p[np.arange(len(lab)), lab] -= 1.0
         self.assign(in_grad[0], req[0], nd.array(p))
         self.assign(in_grad[1], req[1], nd.zeros_like(in_data[1]))
-
-
-class Centre(mx.operator.CustomOp):
-    """``x`` less its mean over axis 0: mixes the rows of its input."""
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        x = in_data[0]
-        self.assign(out_data[0], req[0], nd.broadcast_sub(x, nd.mean(x, axis=0, keepdims=True)))
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        g = out_grad[0]
-        self.assign(in_grad[0], req[0], nd.broadcast_sub(g, nd.mean(g, axis=0, keepdims=True)))
 
 
 class CheckedNLL(mx.operator.CustomOp):

@@ -30,6 +30,7 @@ from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
 from oracle import cleanup
+from heldout import Centre
 from heldout import (contract_warnings, grads_of, merged, nothing_pending,  # noqa: F401
                      plain_and_flagged, rng_for, run_in_subprocess, same_arrays, seeded,
                      values_of)
@@ -883,18 +884,6 @@ class _RowWise(mx.operator.CustomOp):
         self.assign(in_grad[0], req[0], out_grad[0] * (2 + nd.cos(in_data[0])))
 
 
-class _Centre(mx.operator.CustomOp):
-    """x minus its mean over axis 0: couples the rows."""
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        x = in_data[0]
-        self.assign(out_data[0], req[0], nd.broadcast_sub(x, nd.mean(x, axis=0, keepdims=True)))
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        g = out_grad[0]
-        self.assign(in_grad[0], req[0], nd.broadcast_sub(g, nd.mean(g, axis=0, keepdims=True)))
-
-
 def _prop(op_cls):
     class Prop(mx.operator.CustomOpProp):
         def __init__(self):
@@ -915,7 +904,7 @@ def _prop(op_cls):
 
 
 mx.operator.register("heldout6_rowwise")(_prop(_RowWise))
-mx.operator.register("heldout6_centre")(_prop(_Centre))
+mx.operator.register("heldout6_centre")(_prop(Centre))
 
 
 class CustomInside(HybridBlock):
