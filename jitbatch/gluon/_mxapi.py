@@ -117,9 +117,13 @@ def infer_by_symbol(handle, metas, keys, vals):
     running it; None where that infers nothing."""
     names = ["in%d" % i for i in range(len(metas))]
     try:
+        # (the methods under infer_shape / infer_type: those warn the user where
+        # inference is partial, a value-shaped operator's, and print on errors)
         sym = _atomic(handle, keys, vals, len(metas))
-        _, shapes, _ = sym.infer_shape(**{n: tuple(m[0]) for n, m in zip(names, metas)})
-        _, dtypes, _ = sym.infer_type(**{n: np.dtype(m[1]) for n, m in zip(names, metas)})
+        _, shapes, _ = sym._infer_shape_impl(  # pylint: disable=protected-access
+            False, **{n: tuple(m[0]) for n, m in zip(names, metas)})
+        _, dtypes, _ = sym._infer_type_impl(  # pylint: disable=protected-access
+            False, **{n: np.dtype(m[1]) for n, m in zip(names, metas)})
     except MXNetError:
         return None
     if not shapes or not dtypes or any(s is None or d is None for s, d in zip(shapes, dtypes)):
@@ -357,6 +361,14 @@ def adopt_state(mode, device):
         _DEVICE.value = device
 
 
+def seed_thread(seed):
+    """Seed this thread's MXNet random generators (MXNet keeps them per
+    thread) with ``seed``: a ``jitbatch.map`` worker's, from its caller's
+    generator. Not through ``mx.random.seed``, which runs the pending calls
+    first (the samples' graph, at every sample's start)."""
+    check_call(_LIB.MXRandomSeed(ctypes.c_int(seed)))
+
+
 _NP_STATE = _NumpyArrayScope._current   # pylint: disable=protected-access
 
 
@@ -516,6 +528,14 @@ def rows(arr, start, stop):
     h = NDArrayHandle()
     check_call(_LIB.MXNDArraySlice(arr.handle, mx_uint(start), mx_uint(stop), ctypes.byref(h)))
     return NDArray(handle=h, writable=arr.writable)
+
+
+def slice_rows(arr, start, stop):
+    """Rows ``start:stop`` of ``arr`` by the ``slice_axis`` operator (a copy,
+    which autograd records), called directly: through MXNet's wrapper it is
+    recorded as a lazy node inside an unflagged block run on lazy arrays."""
+    return invoke(op_handle("slice_axis"), [arr], ["axis", "begin", "end"],
+                  ["0", str(start), str(stop)], None, False, False)
 
 
 def reshape(arr, shape):

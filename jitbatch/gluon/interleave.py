@@ -10,17 +10,22 @@ them wait for, and they go on in the order they parked. So each read point
 costs one merged flush per minibatch, not one per sample. The samples record
 into the caller's graph (``graph.share``) under the caller's autograd state,
 default device and NumPy-interface state; their Python side effects interleave at reads, as
-threads' do."""
+threads' do. MXNet keeps one random generator per thread, each new one starting from
+the same state, so each sample's thread is seeded at its start from the caller's last
+``mx.random.seed`` (``_seeds``): its draws are its own and that seed fixes them (they
+are not the plain loop's numbers)."""
 import os
 import threading
+import zlib
 from collections import deque
+from functools import wraps
 
 from .. import baton, config, execute
 from ..graph import current_graph, recorder, share
 from . import _mxapi
 from .modes import forget_mode
 
-__all__ = ["map_samples", "in_sample"]
+__all__ = ["map_samples", "in_sample", "as_caller", "noting_seed"]
 
 
 class _Here(threading.local):
@@ -56,11 +61,42 @@ class _Worker(threading.Thread):
 
 
 class _Task(object):
-    __slots__ = ("run", "index", "item", "result", "error", "worker")
+    __slots__ = ("run", "index", "item", "seed", "result", "error", "worker")
 
-    def __init__(self, run, index, item):
-        self.run, self.index, self.item = run, index, item
+    def __init__(self, run, index, item, seed):
+        self.run, self.index, self.item, self.seed = run, index, item, seed
         self.result = self.error = self.worker = None
+
+
+class _Seed(threading.local):
+    base = 0        # the last mx.random.seed of this thread (MXNet's default: 0)
+    maps = 0        # map calls in this thread since
+
+
+_seed = _Seed()
+
+
+def noting_seed(seed):
+    """``mx.random.seed`` that also notes the seed for the samples of this
+    thread's next maps (``_seeds``)."""
+    @wraps(seed)
+    def noted(seed_state, ctx="all"):
+        res = seed(seed_state, ctx)
+        _seed.base, _seed.maps = int(seed_state), 0
+        return res
+    return noted
+
+
+def _seeds(n):
+    """``n`` seeds, one per sample of this thread's next map: made from its
+    last ``mx.random.seed`` and the maps since, so its samples draw apart and
+    the seed fixes their draws, and not drawn from the thread's generator,
+    whose numbers stay the plain loop's (a deferred initializer's, made in
+    this thread: ``in_caller``)."""
+    k = _seed.maps
+    _seed.maps += 1
+    return [zlib.crc32(("%d/%d/%d" % (_seed.base, k, i)).encode()) & 0x7FFFFFFF
+            for i in range(n)]
 
 
 class _Run(object):
@@ -74,7 +110,8 @@ class _Run(object):
         self.mode = _mxapi.autograd_state()
         self.device = _mxapi.default_device()
         self.np = _mxapi.np_state()
-        self.tasks = [_Task(self, i, x) for i, x in enumerate(items)]
+        self.tasks = [_Task(self, i, x, s) for (i, x), s in zip(enumerate(items),
+                                                                _seeds(len(items)))]
         self.fresh = deque(self.tasks)   # not started yet
         self.ready = deque()             # started, can go on (parked before a flush)
         self.parked = []
@@ -83,6 +120,7 @@ class _Run(object):
         self.aborted = False
         self.caller = threading.Lock()
         self.caller.acquire()
+        self.request = None     # (fn, task, [result, error]): for the caller's thread to run
 
     def go(self):
         """Run every sample (the caller's thread waits); their results in order."""
@@ -101,12 +139,12 @@ class _Run(object):
         try:
             baton.hand(self.wake(self.fresh.popleft()), None)
             try:
-                self.caller.acquire()
+                self.serve()
             except BaseException:
                 # interrupted: the running sample goes on to its next read or its
                 # end, the parked ones unwind, the unstarted ones never start
                 self.aborted = True
-                self.caller.acquire()
+                self.serve()
                 raise
         finally:
             g.sharing = None
@@ -119,6 +157,35 @@ class _Run(object):
                          % (task.index, len(self.tasks)))
             raise err
         return [t.result for t in self.tasks]
+
+    def serve(self):
+        """The caller's wait for the samples to end, running what a sample asks
+        to run in this thread meanwhile (``in_caller``)."""
+        while True:
+            self.caller.acquire()
+            req = self.request
+            if req is None:
+                return
+            self.request = None
+            fn, task, out = req
+            try:
+                out[0] = fn()
+            except BaseException as e:  # pylint: disable=broad-except
+                out[1] = e
+            baton.hand(task.worker.baton, None)
+
+    def in_caller(self, fn):
+        """``fn()`` run in the caller's thread while this sample waits, what a
+        plain loop runs there (a deferred initializer draws from the caller's
+        random generator); its result, or its exception raised here."""
+        task = _here.task
+        out = [None, None]
+        self.request = (fn, task, out)
+        self.caller.release()
+        baton.hand(None, task.worker.baton)
+        if out[1] is not None:
+            raise out[1]
+        return out[0]
 
     def wake(self, task):
         """The baton to hand to let ``task`` run (its first start or a resume)."""
@@ -162,6 +229,7 @@ class _Run(object):
                 raise _Aborted()
             _mxapi.adopt_state(self.mode, self.device)
             _mxapi.adopt_np(self.np)
+            _mxapi.seed_thread(task.seed)
             task.result = self.fn(*task.item)
         except _Aborted:
             pass
@@ -202,6 +270,14 @@ class _Run(object):
 def in_sample():
     """Whether this thread runs a sample of ``jitbatch.map``."""
     return _here.task is not None
+
+
+def as_caller(fn):
+    """``fn()``, in a sample of ``jitbatch.map`` run in the caller's thread."""
+    task = _here.task
+    if task is None:
+        return fn()
+    return task.run.in_caller(fn)
 
 
 def map_samples(fn, *iterables):

@@ -551,7 +551,7 @@ def row_value(v):
             if start == 0 and count == src.shape[0]:
                 out = src
             else:
-                out = _nd.slice_axis(src, axis=0, begin=start, end=start + count)
+                out = _mxapi.slice_rows(src, start, start + count)
             if out.shape != v._shape:
                 out = _mxapi.reshape(out, v._shape)
         return out

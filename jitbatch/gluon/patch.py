@@ -41,7 +41,7 @@ from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
-from .interleave import in_sample
+from .interleave import in_sample, noting_seed
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, record_block, record_const, record_copy, record_filled,
@@ -547,7 +547,7 @@ def install():
     _set(_autograd, "grad", guards.make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
     _set(HybridBlock, "__getstate__", guards.getstate)
-    _set(_mxrandom, "seed", guards.pending_first(_mxrandom.seed, "seed"))
+    _set(_mxrandom, "seed", noting_seed(guards.pending_first(_mxrandom.seed, "seed")))
     _set(NDArray, "attach_grad", guards.make_attach_grad(NDArray.attach_grad))
     # a backward writes the gradient buffers in place: calls pending since
     # before it read them as they were (a lazy head's backward runs them anyway)

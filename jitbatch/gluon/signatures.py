@@ -35,6 +35,7 @@ from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
                         watch_params)
 from .flags import Unhybridized, pad_names
+from .interleave import as_caller
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients, opkeys
@@ -252,6 +253,30 @@ def block_signature(block, allargs, flat, fmt, fkey, mode, exact):
     return info
 
 
+def _finish_deferred(block, args, out):
+    """Initialize the block's parameters that wait for their shapes (Gluon's
+    deferred initialization: no ``in_units``) at its first call, as plain Gluon
+    does, in the order its graph reads them: left to the first launch, their
+    initializers drew from the random stream at the flush, and a
+    ``load_parameters`` or ``initialize(force_reinit=True)`` between the two
+    was overwritten by the launch."""
+    waiting = [p for p in block.collect_params().values()
+               if p._deferred_init]  # pylint: disable=protected-access
+    if not waiting:
+        return
+    block._deferred_infer_shape(*args)  # pylint: disable=protected-access
+    order = {name: i for i, name in enumerate(out.list_inputs())}
+    waiting.sort(key=lambda p: order.get(p.name, len(order)))
+
+    def finish():
+        for p in waiting:
+            if p._deferred_init:  # pylint: disable=protected-access
+                p._finish_deferred_init()  # pylint: disable=protected-access
+    # (in a sample of jitbatch.map: MXNet's generators are per thread, and the
+    # loop initializes from the caller's)
+    as_caller(finish)
+
+
 def _padded_key(block, pad, fmt, mc, mode, fkey):
     """The signature key of a call to a block with zero-padded inputs: their
     sizes along the padded axes are left out of it."""
@@ -321,6 +346,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             % (block.name, odd, names_[odd], target, names_[target], odd, names_[target],
                " (integer ids stay exact in float32 up to 2**24, and Embedding and take "
                "read float ids)" if ids else ""))
+    _finish_deferred(block, args, out)
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
         _, o1, _ = out.infer_shape_partial(**_used_inputs(out, names, shapes))
