@@ -252,10 +252,12 @@ class Model(object):
         # runs once early (from the second choice: the first flush pays
         # first-call costs), so a prior cannot exclude it, and one not run for
         # REPROBE flushes (REPROBE_FEW while measured on fewer than three) runs
-        # once, so one slow flush cannot exclude it for long
+        # once, so one slow flush cannot exclude it for long. Not one whose
+        # predicted execution alone is the best's whole cost: running it
+        # measures only its analysis, which cannot make it the cheapest
         self.choices += 1
         for p in ("agenda", "depth"):
-            if p == best or p not in allowed:
+            if p == best or p not in allowed or pred[p][1] >= sum(pred[best]):
                 continue
             if p not in self.ran and self.choices >= 2:
                 best, why = p, "measured for the first time"

@@ -252,6 +252,30 @@ def test_a_policy_measured_once_is_measured_again_soon():
     assert m.choose(nodes, None)[0] == "agenda"        # the median of three
 
 
+def test_a_policy_that_cannot_be_the_cheapest_is_not_measured_again():
+    """Until 2026-11-26 a merging policy not chosen for REPROBE_FEW flushes ran
+    once even where its predicted execution alone was more than the chosen
+    policy's whole predicted cost: running it measures only its analysis, so
+    the zoo's attention model paid a 'depth' inference minibatch 3x as slow
+    as the agenda's (124 against 36 ms) every few minibatches of a run, for
+    nothing. Once its execution could be beaten by a cheaper analysis
+    (no launch saved by the agenda here), it runs again as before."""
+    nodes = list(_tree_graph(4, 3, SignatureTable()).nodes)
+    m = cost.Model()
+    m.observe("agenda", len(nodes), 1e-6 * len(nodes), 3, 0.01, 3)
+    m.observe("depth", len(nodes), 5e-6 * len(nodes), 3, 0.01, 3)
+    m.ran["depth"] = m.ran["agenda"] = 0
+    m.agenda_ratio = 0.1                  # the agenda saves most of the launches
+    got = [m.choose(nodes, None) for _ in range(cost.REPROBE + 2)]
+    assert [g[:2] for g in got] == \
+        [("agenda", "cheapest predicted (analysis + execution)")] * (cost.REPROBE + 2)
+    pred = got[-1][2]
+    assert pred["depth"]["execute"] >= pred["agenda"]["analysis"] + pred["agenda"]["execute"]
+    m.agenda_ratio = 1.0                  # no launch saved: the analysis decides
+    assert m.choose(nodes, None)[:2] == \
+        ("depth", "measured again (not run for %d flushes)" % cost.REPROBE_FEW)
+
+
 class _SlowPlans(FakeBackend):
     """A backend whose stage plan of a signature takes 50 ms the first time it
     is asked (once per signature, as the Gluon backend's), and finds none."""

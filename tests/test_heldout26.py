@@ -1285,9 +1285,11 @@ def test_auto_tries_each_merging_policy_again_after_a_training_flush(fresh_model
     every one with calls that merge). Whatever the times: by the 2nd choice
     both merging policies have run, and one measured on fewer than three
     flushes runs again once cost.REPROBE_FEW flushes went by without it (a
-    flush later where both are due): 'depth' and 'agenda' each run at least
-    three times, and while one has run fewer than three times no
-    REPROBE_FEW + 2 inference flushes in a row go without it. Every result
+    flush later where both are due), unless its predicted execution alone is
+    the chosen policy's whole predicted cost (running it would measure only
+    its analysis, which cannot make it the cheapest): while one has run fewer
+    than three times, no REPROBE_FEW + 2 inference flushes in a row go without
+    it where it could have been the cheapest in one of them. Every result
     is plain Gluon's."""
     train = random_graphs(("auto-train",), 6)
     infer = [random_graphs(("auto-infer", k), 2 + k % 4) for k in range(16)]
@@ -1303,6 +1305,7 @@ def test_auto_tries_each_merging_policy_again_after_a_training_flush(fresh_model
         tr.step(len(train))
     same(params_of(plain), params_of(net), "parameters after the training step")
     chosen, counts = [], []     # per inference flush: its policy, and the runs before it
+    within = []                 # per inference flush: the merging policies that could win
     for batch in infer:
         want = [plain(x, adj).asnumpy() for x, adj, _ in batch]
         before = jitbatch.stats()
@@ -1311,6 +1314,9 @@ def test_auto_tries_each_merging_policy_again_after_a_training_flush(fresh_model
         st = jitbatch.stats()
         assert st["flushes"] == before["flushes"] + 1, st
         chosen.append(st["last_flush"]["policy"])
+        pred = st["last_flush"]["predicted"]
+        best = sum(pred[chosen[-1]].values()) if chosen[-1] in pred else None
+        within.append({p for p in MERGING if best is None or pred[p]["execute"] < best})
         counts.append(before["policies"])
         same(want, [y.asnumpy() for y in ys], "inference flush %d" % len(chosen))
     st = jitbatch.stats()
@@ -1318,9 +1324,11 @@ def test_auto_tries_each_merging_policy_again_after_a_training_flush(fresh_model
     assert set(st["policies"]) <= set(POLICIES) - {"auto"}, trail
     window = cost.REPROBE_FEW + 2
     for p in MERGING:
-        assert st["policies"].get(p, 0) >= 3, (p, trail)
+        # the 2nd choice runs a policy never run, if it could be the cheapest
+        assert st["policies"].get(p, 0) >= 1 or p not in within[1], (p, trail)
         for i in range(len(chosen) - window + 1):
-            if counts[i + window - 1].get(p, 0) < 3:
+            if counts[i + window - 1].get(p, 0) < 3 and \
+                    all(p in w for w in within[i:i + window]):
                 assert p in chosen[i:i + window], (p, i, trail)
 
 
