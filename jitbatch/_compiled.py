@@ -29,7 +29,7 @@ MODULES = ("jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatc
            "jitbatch.gluon._mxapi", "jitbatch.gluon.lazy", "jitbatch.gluon.meta",
            "jitbatch.gluon.gather", "jitbatch.gluon.signatures", "jitbatch.gluon.modes",
            "jitbatch.gluon.sites", "jitbatch.gluon.writes", "jitbatch.gluon.record",
-           "jitbatch.gluon.patch")
+           "jitbatch.gluon.patch", "jitbatch.gluon.opkeys")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
