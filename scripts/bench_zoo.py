@@ -327,6 +327,16 @@ def per_step(acc):
     return out
 
 
+def main_rest(wl, m, s):
+    """Seconds per step of mode ``m``'s main thread outside jitbatch's analysis
+    and execute (``s``: its counters per step), from its rate and busy share."""
+    mode = wl["modes"][m]
+    if not mode["samples_per_s"] or mode["main_thread_busy"] is None or not s["nodes"]:
+        return None
+    busy = mode["main_thread_busy"] * wl["minibatch"] / mode["samples_per_s"]
+    return max(busy - s["analysis_seconds"] - s["execute_seconds"], 0.0)
+
+
 def print_model(result, names):
     ws = list(result["workloads"])
     sys.stderr.flush()
@@ -355,6 +365,12 @@ def print_model(result, names):
                          s["pipelined_flushes"], 1e3 * s["analysis_seconds"],
                          1e3 * s["execute_seconds"], s["policies"], s["last_policy"],
                          s["last_why"]))
+                rest = main_rest(result["workloads"][w], m, s)
+                if rest is not None:
+                    print("      %s main thread besides analysis and execute: %.1f ms per "
+                          "step, %.2f us per node (the per-sample Python and its recording%s)"
+                          % (m, 1e3 * rest, 1e6 * rest / s["nodes"],
+                             ", the backward and the update" if w == "train" else ""))
 
 
 def print_summary(results, workloads, modes):
