@@ -118,9 +118,14 @@ def internal_shapes(out, nodes, names, shapes):
     symbol's internals)."""
     internals = out.get_internals()
     listed = internals.list_outputs()
+    # only the inputs the graph uses: MXNet's inference refuses a name it does
+    # not know, which left every shape unknown (a block ignoring an input was
+    # refused for a reshape it did not make)
+    used = set(out.list_arguments())
     result = []
     for scale in (1, 2):
-        given = {n: (scale * s[0],) + tuple(s[1:]) for n, s in zip(names, shapes)}
+        given = {n: (scale * s[0],) + tuple(s[1:]) for n, s in zip(names, shapes)
+                 if n in used}
         try:
             _, got, _ = internals.infer_shape_partial(**given)
         except Exception:  # pylint: disable=broad-except
@@ -207,6 +212,15 @@ def crossed_rows(name, shapes, k, a, b, out=None, names=None):
     culprit = (" (here argument%s %s, of shape %s)" % (
         "s" if len(ones) > 1 else "", ", ".join(map(str, ones)),
         ", ".join(str(shapes[i]) for i in ones))) if ones else ""
+    # arguments whose leading axis is not one row: a (T, D) memory scored
+    # against a (1, D) query by dot
+    lead = [i for i, s in enumerate(shapes) if s and s[0] != 1]
+    memory = ("; for an array whose rows are not samples (here argument%s %s, of shape %s: "
+              "a (T, D) memory a (1, D) query is scored against with dot), a per-sample "
+              "leading axis of 1 on it, (1, T, D), and F.batch_dot" % (
+                  "s" if len(lead) > 1 else "", ", ".join(map(str, lead)),
+                  ", ".join(str(shapes[i]) for i in lead))) \
+        if lead else ""
     return ("block %s cannot be batched along axis 0: for inputs %s its output %d has shape "
             "%s, but for twice the rows it has %s: it grows along another axis too, so an "
             "operator combines arrays whose samples lie along different axes, and every "
@@ -216,9 +230,9 @@ def crossed_rows(name, shapes, k, a, b, out=None, names=None):
             "vector along axis 1 picks every sample's columns from every row).%s Fix: give "
             "the arrays the block combines the same number of axes%s, e.g. reshape a (1, 1) "
             "argument to (1,) (a loss's sample_weight to the loss's shape); for columns "
-            "taken by a per-sample index vector, F.pick with one index per row; or hybridize "
-            "this block without dynamic_batch."
-            % (name, shapes, k, a, b, where, culprit))
+            "taken by a per-sample index vector, F.pick with one index per row%s; or "
+            "hybridize this block without dynamic_batch."
+            % (name, shapes, k, a, b, where, culprit, memory))
 
 
 def structure_changed(name, first, now):

@@ -361,7 +361,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             # an operator pairs the sample with an array of fixed rows (a
             # constant or parameter of shape (K, ...)): one sample at a time
             # is what the block computes
-            doubled, o2 = _doubling_mix(out, e), o1
+            doubled, o2 = _doubling_mix(out, e, names, shapes), o1
     except Exception as e:
         if '"op": "RNN"' in out.tojson():
             raise BatchingError(
@@ -520,23 +520,53 @@ def _shapes_by_running(block, args, mode):
     return [o.shape for o in outs]
 
 
-def _doubling_mix(out, error):
-    """The ``Mix`` of a traced symbol ``out`` whose shapes MXNet could infer at
-    a call's shapes but not at twice the rows (``error``): the operator MXNet
-    names, if any."""
+def _doubling_mix(out, error, names, shapes):
+    """The ``Mix`` of a traced symbol ``out`` (on inputs ``names`` of
+    ``shapes``) whose shapes MXNet could infer at a call's shapes but not at
+    twice the rows (``error``): the operator MXNet names, if any, and the
+    call's arguments it reads that it cannot take with twice the rows (a
+    weight passed in, per sample)."""
     first = str(error).strip().splitlines()
     text = next((line for line in first if "Error in operator" in line), first[-1] if first
                 else type(error).__name__)
     node = op = "?"
+    args = []
     if "Error in operator " in text:
         node = text.split("Error in operator ", 1)[1].split(":", 1)[0].strip()
-        op = next((n["op"] for n in json.loads(out.tojson())["nodes"] if n["name"] == node),
-                  "?")
+        graph = json.loads(out.tojson())["nodes"]
+        me = next((n for n in graph if n["name"] == node), None)
+        if me is not None:
+            op = me["op"]
+            read, todo = set(), [i[0] for i in me["inputs"]]
+            while todo:             # the inputs it reads, through any operators
+                n = graph[todo.pop()]
+                if n["op"] == "null":
+                    read.add(n["name"])
+                else:
+                    todo.extend(i[0] for i in n["inputs"])
+            args = [i for i, nm in enumerate(names) if nm in read and
+                    not _infers(out, names, [(2 * s[0],) + tuple(s[1:]) if j == i else s
+                                             for j, s in enumerate(shapes)])]
+    given = "" if not args else \
+        "; here %s of the call (shape %s), which it cannot take with twice the rows: not " \
+        "the sample's rows but, e.g., a weight made per sample, which merges only as a " \
+        "batch of its own: a leading axis of 1 on it and F.batch_dot for the product" % (
+            " and ".join("argument %d" % i for i in args),
+            ", ".join(str(shapes[i]) for i in args))
     return contract.Mix(op, node, "cannot take twice the rows: it pairs each sample with an "
                         "array of fixed rows, a constant such as F.zeros((1, H)) or a "
-                        "parameter of shape (K, ...) (MXNet: %s; to merge, give such an "
+                        "parameter of shape (K, ...)%s (MXNet: %s; to merge, give such an "
                         "array the sample's rows: F.zeros_like(x), F.broadcast_like, or "
-                        "a per-sample axis of 1 before K)" % text.strip())
+                        "a per-sample axis of 1 before K)" % (given, text.strip()))
+
+
+def _infers(out, names, shapes):
+    """Whether MXNet infers the shapes of ``out`` on inputs of ``shapes``."""
+    try:
+        out.infer_shape_partial(**_used_inputs(out, names, shapes))
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
 
 
 def _unmergeable(block, mix):
