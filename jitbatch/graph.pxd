@@ -11,6 +11,7 @@ cdef class Node:
     cdef public object inputs, depth, site, mode, batch, error, graph, group
     cdef public object plan, rows, users, lifted
     cdef public Py_ssize_t row, seq, off, wait, height, pad
+    cdef public bint severed
 
 
 cdef class Composite:

@@ -31,7 +31,7 @@ class Node(object):
     arrays) and ``row`` this node's position in them."""
     __slots__ = ("info", "inputs", "depth", "site", "mode", "batch", "row",
                  "error", "graph", "seq", "group", "plan", "rows", "off", "users", "wait", "height",
-                 "pad", "lifted")
+                 "pad", "lifted", "severed")
 
     def __init__(self, info, inputs, depth, site, mode, graph, seq, rows=None):
         self.info = info
@@ -53,6 +53,7 @@ class Node(object):
         self.height = 1     # longest path to a sink (computed by the agenda)
         self.pad = 0        # a zero-padded signature's node: its size along the padded axes
         self.lifted = None  # its value of the attribute its signature leaves out, if any
+        self.severed = False  # left out of a backward that freed its launch's record
 
     def __repr__(self):
         state = "done" if self.batch is not None else ("failed" if self.error else "pending")
@@ -207,6 +208,15 @@ class Graph(object):
         """Node ``n`` reads ``p``: if ``p`` is pending in this graph, ``n`` becomes
         one of its users (True)."""
         pn: Node = p
+        if pn.batch is None and pn.error is not None:
+            # dropped with a call that raised (``discard_since``): it never runs
+            raise StaleValueError(
+                "an input of this call (%s, recorded at %s) belongs to a call that raised "
+                "while recording (%s: %s), whose calls were dropped, nested calls that "
+                "returned included. Fix: record it again (do not keep values made inside "
+                "a call that may raise, e.g. in a memo, before the call returns)."
+                % (pn.info.name, pn.site or "?", type(pn.error).__name__, pn.error)) \
+                from pn.error
         if pn.batch is None and pn.graph is self:
             users = pn.users
             if users is None:
@@ -345,6 +355,56 @@ class _Local(threading.local):
 
 
 _local = _Local()
+
+
+def reached_from(heads):
+    """The ids of the pending nodes that the pending nodes ``heads`` read,
+    directly or through others (``heads`` included): what a backward from
+    them reaches of the graph."""
+    seen = set()
+    todo = list(heads)
+    n: Node
+    c: Composite
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        for x in n.inputs:
+            if isinstance(x, Ref):
+                q = x._node
+                if type(q) is Node:
+                    if q.batch is None:
+                        todo.append(q)
+                elif type(q) is Composite:
+                    c = q
+                    for p in c.nodes:
+                        if p.batch is None:
+                            todo.append(p)
+    return seen
+
+
+def only_sinks(nodes, heads):
+    """Whether every node of ``nodes`` that no other reads is one of ``heads``
+    (ids): then a backward from them reaches all of ``nodes``."""
+    n: Node
+    for n in nodes:
+        if n.users is None and id(n) not in heads:
+            return False
+    return True
+
+
+def sever(nodes, reached):
+    """A backward from nodes whose ids are ``reached`` freed the record of
+    every launch it reached: mark the other nodes of those launches."""
+    n: Node
+    hit = set()
+    for n in nodes:
+        if id(n) in reached and n.group is not None:
+            hit.add(id(n.group))
+    for n in nodes:
+        if id(n) not in reached and n.group is not None and id(n.group) in hit:
+            n.severed = True
 
 
 def current_graph():

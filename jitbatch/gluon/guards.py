@@ -14,7 +14,7 @@ from mxnet.base import MXNetError
 from .. import execute, gcdefer
 from ..errors import BatchingError, first_line
 from ..graph import Graph, Node, current_graph
-from . import _mxapi
+from . import _mxapi, history
 from .executors import BlockExec
 from .interleave import in_sample
 from .lazy import LazyArray, NotDifferentiableError, node_of
@@ -68,8 +68,13 @@ def make_backward(orig, heads_of):
     heads of a call's arguments)."""
     @wraps(orig)
     def backward(*args, **kwargs):
-        before_backward(heads_of(args, kwargs))
-        return orig(*args, **kwargs)
+        heads = heads_of(args, kwargs)
+        before_backward(heads)
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
+        watched = None if retain else history.watch(heads)
+        res = orig(*args, **kwargs)
+        history.after(watched)
+        return res
     return backward
 
 
