@@ -361,14 +361,6 @@ def adopt_state(mode, device):
         _DEVICE.value = device
 
 
-def seed_thread(seed):
-    """Seed this thread's MXNet random generators (MXNet keeps them per
-    thread) with ``seed``: a ``jitbatch.map`` worker's, from its caller's
-    generator. Not through ``mx.random.seed``, which runs the pending calls
-    first (the samples' graph, at every sample's start)."""
-    check_call(_LIB.MXRandomSeed(ctypes.c_int(seed)))
-
-
 _NP_STATE = _NumpyArrayScope._current   # pylint: disable=protected-access
 
 

@@ -11,21 +11,19 @@ costs one merged flush per minibatch, not one per sample. The samples record
 into the caller's graph (``graph.share``) under the caller's autograd state,
 default device and NumPy-interface state; their Python side effects interleave at reads, as
 threads' do. MXNet keeps one random generator per thread, each new one starting from
-the same state, so each sample's thread is seeded at its start from the caller's last
-``mx.random.seed`` (``_seeds``): its draws are its own and that seed fixes them (they
-are not the plain loop's numbers)."""
+the same state: what draws from it in a sample (an operator in ``DRAWS``, a flush's
+merged launches, a deferred initializer) runs in the caller's thread (``in_caller``),
+so the draws come from the caller's generator, as in the loop (in another order)."""
 import os
 import threading
-import zlib
 from collections import deque
-from functools import wraps
 
 from .. import baton, config, execute
 from ..graph import current_graph, recorder, share
 from . import _mxapi
 from .modes import forget_mode
 
-__all__ = ["map_samples", "in_sample", "as_caller", "noting_seed"]
+__all__ = ["map_samples", "in_sample", "as_caller", "DRAWS"]
 
 
 class _Here(threading.local):
@@ -61,42 +59,15 @@ class _Worker(threading.Thread):
 
 
 class _Task(object):
-    __slots__ = ("run", "index", "item", "seed", "result", "error", "worker")
+    __slots__ = ("run", "index", "item", "result", "error", "worker")
 
-    def __init__(self, run, index, item, seed):
-        self.run, self.index, self.item, self.seed = run, index, item, seed
+    def __init__(self, run, index, item):
+        self.run, self.index, self.item = run, index, item
         self.result = self.error = self.worker = None
 
 
-class _Seed(threading.local):
-    base = 0        # the last mx.random.seed of this thread (MXNet's default: 0)
-    maps = 0        # map calls in this thread since
-
-
-_seed = _Seed()
-
-
-def noting_seed(seed):
-    """``mx.random.seed`` that also notes the seed for the samples of this
-    thread's next maps (``_seeds``)."""
-    @wraps(seed)
-    def noted(seed_state, ctx="all"):
-        res = seed(seed_state, ctx)
-        _seed.base, _seed.maps = int(seed_state), 0
-        return res
-    return noted
-
-
-def _seeds(n):
-    """``n`` seeds, one per sample of this thread's next map: made from its
-    last ``mx.random.seed`` and the maps since, so its samples draw apart and
-    the seed fixes their draws, and not drawn from the thread's generator,
-    whose numbers stay the plain loop's (a deferred initializer's, made in
-    this thread: ``in_caller``)."""
-    k = _seed.maps
-    _seed.maps += 1
-    return [zlib.crc32(("%d/%d/%d" % (_seed.base, k, i)).encode()) & 0x7FFFFFFF
-            for i in range(n)]
+#: handles of the operators that draw random numbers (``patch.install`` fills it)
+DRAWS = set()
 
 
 class _Run(object):
@@ -110,8 +81,7 @@ class _Run(object):
         self.mode = _mxapi.autograd_state()
         self.device = _mxapi.default_device()
         self.np = _mxapi.np_state()
-        self.tasks = [_Task(self, i, x, s) for (i, x), s in zip(enumerate(items),
-                                                                _seeds(len(items)))]
+        self.tasks = [_Task(self, i, x) for i, x in enumerate(items)]
         self.fresh = deque(self.tasks)   # not started yet
         self.ready = deque()             # started, can go on (parked before a flush)
         self.parked = []
@@ -229,7 +199,6 @@ class _Run(object):
                 raise _Aborted()
             _mxapi.adopt_state(self.mode, self.device)
             _mxapi.adopt_np(self.np)
-            _mxapi.seed_thread(task.seed)
             task.result = self.fn(*task.item)
         except _Aborted:
             pass
@@ -261,7 +230,10 @@ class _Run(object):
                 raise _Aborted()
         if node.batch is None:
             try:
-                execute.run_graph(self.graph, forced=True, reason="read")
+                # in the caller's thread: a merged launch's random draws come from
+                # its generator, as in the plain loop (MXNet's are per thread)
+                self.in_caller(lambda: execute.run_graph(self.graph, forced=True,
+                                                         reason="read"))
             finally:
                 self.ready.extend(self.parked)
                 self.parked = []

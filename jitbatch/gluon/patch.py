@@ -41,12 +41,13 @@ from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
-from .interleave import in_sample, noting_seed
+from .axis_rules import RANDOM
+from .interleave import DRAWS, as_caller, in_sample
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, record_block, record_const, record_copy, record_filled,
                      record_op, rows_composite, stack)
-from .writes import MUTATING, before_write, find_mutating
+from .writes import MUTATING, before_write, find_mutating, setitem
 
 _patches = []          # (owner, name, original, ours) in patch order
 _MISSING = object()
@@ -66,6 +67,11 @@ def installed():
 def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     """MXNet's ``_imperative_invoke``: an operator with a lazy argument is
     recorded; one without runs as usual (one type check per argument)."""
+    if handle in DRAWS and in_sample():
+        # a random draw in a sample of jitbatch.map: from the caller's generator
+        # (MXNet's are per thread, every new one alike), as the plain loop draws
+        return as_caller(lambda: _invoke(handle, ndargs, keys, vals, out, is_np_op,
+                                         output_is_list))
     if out is not None:     # an in-place write: pending readers of the target run first
         for o in (out if isinstance(out, (list, tuple)) else (out,)):
             before_write(o)
@@ -129,16 +135,6 @@ def _verify_legacy(op_name, func_name, args, out):
                 return _mxapi.verify_legacy(op_name, func_name, args, out)
         return None
     return _mxapi.verify_legacy(op_name, func_name, args, out)
-
-
-def _setitem(self, key, value):
-    """``NDArray.__setitem__``: pending readers of the array run first; a lazy
-    value is written as its computed array (MXNet takes only an exact NDArray
-    as an array, anything else as Python data)."""
-    before_write(self)
-    if type(value) is LazyArray:
-        value = value.value()
-    return _mxapi.nd_setitem(self, key, value)
 
 
 def _index_array(idx, ax_len, ctx):
@@ -532,7 +528,7 @@ def install():
     _set(HybridBlock, "hybridize", _make_hybridize(_mxapi.hybrid_hybridize))
     _set(register, "_imperative_invoke", _invoke)
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
-    _set(NDArray, "__setitem__", _setitem)
+    _set(NDArray, "__setitem__", setitem)
     _set(NDArray, "copyto", _copyto)
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", guards.make_initialize(Parameter.initialize))
@@ -547,7 +543,7 @@ def install():
     _set(_autograd, "grad", guards.make_grad(_autograd.grad))
     _set(_autograd, "get_symbol", guards.make_get_symbol(_autograd.get_symbol))
     _set(HybridBlock, "__getstate__", guards.getstate)
-    _set(_mxrandom, "seed", noting_seed(guards.pending_first(_mxrandom.seed, "seed")))
+    _set(_mxrandom, "seed", guards.pending_first(_mxrandom.seed, "seed"))
     _set(NDArray, "attach_grad", guards.make_attach_grad(NDArray.attach_grad))
     # a backward writes the gradient buffers in place: calls pending since
     # before it read them as they were (a lazy head's backward runs them anyway)
@@ -557,6 +553,7 @@ def install():
                           ("pushpull", guards.kv_pushpull_out)):
         _set(KVStore, name, guards.make_kv_write(getattr(KVStore, name), written))
     find_mutating()
+    DRAWS.update(h for name, h in _mxapi.op_handles().items() if name in RANDOM)
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()

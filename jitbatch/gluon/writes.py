@@ -226,6 +226,16 @@ def _read_while_recording(target):
 #: handles of operators that write their inputs in place, without ``out=``
 #: (``reset_arrays``, which ``ParameterDict.zero_grad`` uses, and the
 #: optimizers' update operators, which write their states): filled at install
+def setitem(self, key, value):
+    """``NDArray.__setitem__``: pending readers of the array run first; a lazy
+    value is written as its computed array (MXNet takes only an exact NDArray
+    as an array, anything else as Python data)."""
+    before_write(self)
+    if type(value) is LazyArray:
+        value = value.value()
+    return _mxapi.nd_setitem(self, key, value)
+
+
 MUTATING = set()
 
 
