@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 import mxnet as mx
-from mxnet import nd
+from mxnet import autograd, gluon, nd
 
 import jitbatch
 from oracle import cleanup
@@ -245,3 +245,24 @@ class Centre(mx.operator.CustomOp):
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         g = out_grad[0]
         self.assign(in_grad[0], req[0], nd.broadcast_sub(g, nd.mean(g, axis=0, keepdims=True)))
+
+
+def train_minibatches(nets, policy, minibatch, count, steps=2, lr=0.1, optimizer="sgd",
+                      mapped=False):
+    """``steps`` Trainer steps of ``nets`` (flagged with ``policy``; None:
+    plain) on the summed losses ``minibatch(k)`` of samples ``0..count-1`` (a
+    loop, or ``jitbatch.map``), each ``(loss, [arrays to compare])``; returns
+    the losses and arrays, the gradients of every step and the parameters
+    after."""
+    flag_all(nets, policy)
+    tr = gluon.Trainer(params_dict(*nets), optimizer, {"learning_rate": lr})
+    out = []
+    for _ in range(steps):
+        with autograd.record():
+            res = jitbatch.map(minibatch, range(count)) if mapped else \
+                [minibatch(k) for k in range(count)]
+            loss = nd.add_n(*[r[0] for r in res])
+        loss.backward()
+        out += [a.asnumpy() for r in res for a in [r[0]] + list(r[1])] + grads_of(*nets)
+        tr.step(count)
+    return out + params_of(*nets)

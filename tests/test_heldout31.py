@@ -82,6 +82,7 @@ from mxnet.gluon import HybridBlock, nn
 from mxnet.gluon import loss as gloss
 
 import jitbatch
+from heldout import train_minibatches
 from heldout import initialized as init
 from heldout import flag_all, params_dict
 from heldout import ragged as ragged_rows
@@ -108,22 +109,8 @@ def two_layers(prefix, width=H, out=2, activation=None):
 
 
 def train(nets, policy, minibatch, steps=2, optimizer="sgd", mapped=False, count=None):
-    """``steps`` SGD steps of ``nets`` (flagged with ``policy``) on the losses
-    ``minibatch(k)`` of samples ``0..count-1`` (a loop, or ``jitbatch.map``);
-    each ``minibatch(k)`` returns ``(loss, [arrays to compare])``. Returns the
-    losses, the arrays, the gradients per step and the parameters after."""
-    flag_all(nets, policy)
-    tr = gluon.Trainer(params_dict(*nets), optimizer, {"learning_rate": 0.1})
-    out = []
-    for _ in range(steps):
-        with autograd.record():
-            res = jitbatch.map(minibatch, range(count)) if mapped else \
-                [minibatch(k) for k in range(count)]
-            loss = nd.add_n(*[r[0] for r in res])
-        loss.backward()
-        out += [a.asnumpy() for r in res for a in [r[0]] + list(r[1])] + grads_of(*nets)
-        tr.step(count)
-    return out + params_of(*nets)
+    """``heldout.train_minibatches``: SGD at 0.1 over samples ``0..count-1``."""
+    return train_minibatches(nets, policy, minibatch, count, steps, 0.1, optimizer, mapped)
 
 
 # -- 1. autograd.Function ---------------------------------------------------------------

@@ -97,6 +97,7 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
 import jitbatch
+from heldout import train_minibatches
 from heldout import initialized as init
 from heldout import (both, flag, flag_all, grads_of, merged, nothing_pending,  # noqa: F401
                      params_dict, params_of, rng_for, same_values as same)
@@ -113,22 +114,8 @@ def normal(key, *shape):
 
 
 def train(nets, policy, minibatch, count, steps=2, lr=0.05, optimizer="sgd", mapped=False):
-    """``steps`` Trainer steps of ``nets`` (flagged with ``policy``; None:
-    plain) on the summed losses ``minibatch(k)`` of samples ``0..count-1``,
-    each ``(loss, [arrays to compare])``; returns the losses and arrays, the
-    gradients of every step and the parameters after."""
-    flag_all(nets, policy)
-    tr = gluon.Trainer(params_dict(*nets), optimizer, {"learning_rate": lr})
-    out = []
-    for _ in range(steps):
-        with autograd.record():
-            res = jitbatch.map(minibatch, range(count)) if mapped else \
-                [minibatch(k) for k in range(count)]
-            loss = nd.add_n(*[r[0] for r in res])
-        loss.backward()
-        out += [a.asnumpy() for r in res for a in [r[0]] + list(r[1])] + grads_of(*nets)
-        tr.step(count)
-    return out + params_of(*nets)
+    """``heldout.train_minibatches`` at this round's learning rate."""
+    return train_minibatches(nets, policy, minibatch, count, steps, lr, optimizer, mapped)
 
 
 def for_each(name, values):
