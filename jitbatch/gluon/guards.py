@@ -317,6 +317,13 @@ def make_grad(orig):
                     "or a flush ran them). Fix: call autograd.grad before reading values "
                     "on the penalty's path, or flag these blocks with policy='sequential'."
                     % first_line(e)) from e
+            if not create_graph and "not in a computational graph" in str(e):
+                raise NotDifferentiableError(
+                    "autograd.grad of heads whose launches an earlier autograd.grad or "
+                    "backward() freed: samples merged into one launch share it, and without "
+                    "retain_graph the first call frees it for all of them (%s). Fix: "
+                    "retain_graph=True on every call but the last, or one call of the summed "
+                    "heads." % first_line(e)) from e
             if not create_graph or "higher order gradients" not in str(e):
                 raise
             raise NotDifferentiableError(
