@@ -357,13 +357,17 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def reached_from(heads):
-    """The ids of the pending nodes that the pending nodes ``heads`` read,
-    directly or through others (``heads`` included): what a backward from
-    them reaches of the graph."""
+def reached_from(heads, severed):
+    """``(ids, reads)``: the ids of the pending nodes that the pending nodes
+    ``heads`` read, directly or through others (``heads`` included), what a
+    backward from them reaches of the graph; and, where ``severed`` (some
+    node was marked by ``sever``), the ``(reader, node)`` pairs of those that
+    read a marked node."""
     seen = set()
+    reads = []
     todo = list(heads)
     n: Node
+    p: Node
     c: Composite
     while todo:
         n = todo.pop()
@@ -374,14 +378,19 @@ def reached_from(heads):
             if isinstance(x, Ref):
                 q = x._node
                 if type(q) is Node:
-                    if q.batch is None:
-                        todo.append(q)
+                    p = q
+                    if p.batch is None:
+                        todo.append(p)
+                    elif severed and p.severed:
+                        reads.append((n, p))
                 elif type(q) is Composite:
                     c = q
                     for p in c.nodes:
                         if p.batch is None:
                             todo.append(p)
-    return seen
+                        elif severed and p.severed:
+                            reads.append((n, p))
+    return seen, reads
 
 
 def only_sinks(nodes, heads):
@@ -399,12 +408,15 @@ def sever(nodes, reached):
     every launch it reached: mark the other nodes of those launches."""
     n: Node
     hit = set()
+    marked = 0
     for n in nodes:
         if id(n) in reached and n.group is not None:
             hit.add(id(n.group))
     for n in nodes:
         if id(n) not in reached and n.group is not None and id(n.group) in hit:
             n.severed = True
+            marked += 1
+    return marked
 
 
 def current_graph():

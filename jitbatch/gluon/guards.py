@@ -72,7 +72,12 @@ def make_backward(orig, heads_of):
         before_backward(heads)
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
         watched = None if retain else history.watch(heads)
-        res = orig(*args, **kwargs)
+        try:
+            res = orig(*args, **kwargs)
+        except MXNetError as e:
+            if "any container is empty" not in str(e) or "AGInfo" not in str(e):
+                raise
+            history.freed(e)
         history.after(watched)
         return res
     return backward

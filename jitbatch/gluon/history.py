@@ -6,20 +6,29 @@ it (a cache of word states, an unlabelled sentence's) differentiates through
 it. Merged, its rows share a launch with the samples that loss reached, and
 that ``backward()`` (``retain_graph=False``) freed the launch's record: MXNet
 would take the output as a constant, its share of the gradient silently
-lost. So a backward without ``retain_graph`` notes which pending nodes its
+lost. So a backward without ``retain_graph`` notes which pending calls its
 heads reach (``watch``, before the flush that runs them), and after it marks
-the others of the launches it reached (``graph.sever``); a later recorded
-call given one of their outputs is refused (``refuse``). Nodes computed by
-an earlier flush (a read, a pipelined chunk) have let go of their inputs and
-are not followed."""
+the others of the launches it reached (``graph.sever``) where the launch is
+a block's with a trained parameter (one over constants only, a frozen block's,
+has no record per sample either). A later backward that reaches a marked
+output through a call passing it gradient is refused (``refuse``); through
+``detach``, ``BlockGrad``, ``argmax`` or a comparison it is a constant anyway.
+Not followed: calls computed by an earlier flush (a read, a pipelined chunk),
+which have let go of their inputs, and values made from a marked output by
+a reshape or a concatenation (views and row composites of concrete rows)."""
 from ..graph import Node, current_graph, only_sinks, reached_from, sever
+from .gradients import NO_GRADIENT
+from ..errors import first_line
 from .lazy import LazyArray, NotDifferentiableError, node_of
+
+_MARKED = [0]   # outputs marked so far: until one is, a backward reaching all is not followed
 
 
 def watch(heads):
-    """Before a backward from ``heads`` that frees what it reaches: ``(the
-    pending nodes, the ids of those the heads reach)``, or None where it
-    reaches them all (or no head is pending)."""
+    """Before a backward from ``heads`` that frees what it reaches: refuse it
+    where it reaches a marked output; ``(the pending nodes, the ids of those
+    the heads reach)``, or None where it reaches them all (or no head is
+    pending)."""
     g = current_graph()
     pending = g.nodes
     if not pending:
@@ -32,28 +41,64 @@ def watch(heads):
                 starts.append(n)
     if not starts:
         return None
-    if only_sinks(pending, {id(n) for n in starts}):
+    marked = _MARKED[0] > 0
+    if not marked and only_sinks(pending, {id(n) for n in starts}):
         return None
-    return list(pending), reached_from(starts)
+    reached, reads = reached_from(starts, marked)
+    for reader, node in reads:
+        # (through a call that passes no gradient, or one not recorded, it is a
+        # constant per sample too)
+        mode = getattr(reader.info.op, "mode", None) or reader.mode
+        if mode[0] and reader.info.name not in NO_GRADIENT:
+            refuse(node)
+    if len(reached) == len(pending):
+        return None
+    return list(pending), reached
 
 
 def after(watched):
-    """After the backward ``watch`` saw coming: mark what it left out, of the
-    launches autograd recorded (one that passes no gradient runs unrecorded:
-    ``gradients.launch_mode``; its outputs are constants per sample too)."""
-    if watched is not None:
-        nodes, reached = watched
-        sever([n for n in nodes if (getattr(n.info.op, "mode", None) or (False,))[0]],
-              reached)
+    """After the backward ``watch`` saw coming: mark what it left out."""
+    if watched is None:
+        return
+    nodes, reached = watched
+    trained = {}
+    kept = []
+    for n in nodes:
+        t = trained.get(id(n.info))
+        if t is None:
+            t = trained[id(n.info)] = _trained_block(n.info.op)
+        if t:
+            kept.append(n)
+    _MARKED[0] += sever(kept, reached)
+
+
+def _trained_block(ex):
+    """Whether executor ``ex`` launches a block recorded with a trained parameter."""
+    block = getattr(ex, "block", None)
+    mode = getattr(ex, "mode", None)
+    return block is not None and bool(mode) and bool(mode[0]) and \
+        any(p.grad_req != "null" for p in block.collect_params().values())
 
 
 def refuse(node):
-    """A recorded call given an output of ``node``, severed by a backward."""
+    """A backward reaching an output of ``node``, which an earlier one freed."""
     raise NotDifferentiableError(
-        "an output of %s (recorded at %s) is used in this recording, but an earlier "
+        "this backward reaches an output of %s (recorded at %s), but an earlier "
         "backward() left it out of its loss: per sample its recorded graph would carry a "
         "gradient here, while merged it shared a launch with samples that backward reached, "
         "which freed the launch's record (retain_graph=False), so its gradient would be "
         "lost. Fix: pass retain_graph=True to that backward, or call the block again in "
         "this recording; .detach() it if a constant is meant."
         % (node.info.name, node.site or "?"))
+
+
+def freed(error):
+    """MXNet's backward met a call whose record an earlier backward freed, by
+    a value computed from a marked output (``tanh``, ``reshape`` of it) that
+    ``watch`` does not follow: said in jitbatch's terms."""
+    raise NotDifferentiableError(
+        "this backward reaches a value computed from an output, but an earlier backward() "
+        "left it out of its loss: merged, that output shared a launch with samples that "
+        "backward reached, which freed the launch's record (retain_graph=False); MXNet: %s. "
+        "Fix: pass retain_graph=True to that backward, or call the block again in this "
+        "recording; .detach() it if a constant is meant." % first_line(error)) from error

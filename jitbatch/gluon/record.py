@@ -28,7 +28,7 @@ from .. import cost, execute, pipeline
 from ..errors import BatchingError
 from ..graph import Composite, Graph, Node, current_graph
 from ..signature import SigInfo
-from . import _mxapi, history
+from . import _mxapi
 from .backend import BACKEND
 from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
 from .meta import device, meta
@@ -77,22 +77,13 @@ def _begin(g, cfg, mode_):
     gr.limit = _config.max_pending if gr.unpiped else limit(gr.policy or "auto", mode_, gr.net)
 
 
-def _note_reads(g, args, recording):
-    """The concrete arrays among a record's arguments (see ``writes.before_write``);
-    under autograd (``recording``), an output whose launch's record a backward
-    freed without reaching it is refused (``history.refuse``)."""
+def _note_reads(g, args):
+    """The concrete arrays among a record's arguments (see ``writes.before_write``)."""
     gr: Graph = g
     reads = gr.reads
-    n: Node
     for a in args:
         if type(a) is not LazyArray:
             reads[id(a)] = a
-        elif recording:
-            node = node_of(a)
-            if type(node) is Node:
-                n = node
-                if n.severed:
-                    history.refuse(n)
 
 
 # -- blocks ---------------------------------------------------------------------------
@@ -116,7 +107,7 @@ def record_block(block, g, x, args, frame):
     gr: Graph = g
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)
-    _note_reads(g, flat, mode_[0])
+    _note_reads(g, flat)
     gr.reads[id(block)] = block     # a pending call keeps its block alive
     si: SigInfo = info
     out_meta = si.out_meta
@@ -251,7 +242,7 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     gr: Graph = g
     if not gr.nodes:
         _begin(g, None, mode_)
-    _note_reads(g, ndargs, mode_[0])
+    _note_reads(g, ndargs)
     node = gr.add(info, tuple(ndargs), site(), mode_)
     if info.op.lift is not None:    # its scalar is the node's, not the signature's
         node.lifted = vals[0]
