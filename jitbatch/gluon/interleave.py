@@ -11,9 +11,10 @@ costs one merged flush per minibatch, not one per sample. The samples record
 into the caller's graph (``graph.share``) under the caller's autograd state,
 default device and NumPy-interface state; their Python side effects interleave at reads, as
 threads' do. MXNet keeps one random generator per thread, each new one starting from
-the same state: what draws from it in a sample (an operator in ``DRAWS``, a flush's
-merged launches, a deferred initializer) runs in the caller's thread (``in_caller``),
-so the draws come from the caller's generator, as in the loop (in another order)."""
+the same state: what draws from it in a sample (an operator in ``DRAWS``, a deferred
+initializer) runs in the caller's thread (``in_caller``), so the draws come from the
+caller's generator, as in the loop (in another order). A flush at a sample's read runs
+in that sample's thread: its merged launches draw from that thread's generator."""
 import os
 import threading
 from collections import deque
@@ -230,10 +231,7 @@ class _Run(object):
                 raise _Aborted()
         if node.batch is None:
             try:
-                # in the caller's thread: a merged launch's random draws come from
-                # its generator, as in the plain loop (MXNet's are per thread)
-                self.in_caller(lambda: execute.run_graph(self.graph, forced=True,
-                                                         reason="read"))
+                execute.run_graph(self.graph, forced=True, reason="read")
             finally:
                 self.ready.extend(self.parked)
                 self.parked = []
