@@ -71,7 +71,7 @@ included):
   refusal's per-sample leading axis of 1 (``batch_dot``), was not named. It
   is now, with the arguments whose leading axis is not one row.
 * A generated weight passed into a flagged block runs per sample (exact) with
-  a ContractWarning (``signatures._doubling_mix``) that blames "an array of
+  a ContractWarning (``contract.doubling_mix``) that blames "an array of
   fixed rows, a constant such as F.zeros((1, H)) or a parameter of shape (K,
   ...)": the array is the call's own argument (the per-sample weight), which
   the message never named. It now names the arguments the failing operator
@@ -1239,7 +1239,7 @@ def test_the_refusal_of_scoring_against_a_TxD_memory_names_a_fix_that_applies(ki
 def test_the_warning_for_a_weight_passed_into_a_block_names_the_argument():
     """Finding, fixed 2026-11-26. ``GeneratedLayer(x, w, b)`` with the generated ``w`` (H, D)
     runs per sample (exact), with a ContractWarning from
-    ``signatures._doubling_mix``: "cannot take twice the rows: it pairs each
+    ``contract.doubling_mix``: "cannot take twice the rows: it pairs each
     sample with an array of fixed rows, a constant such as F.zeros((1, H)) or
     a parameter of shape (K, ...) ... give such an array the sample's rows:
     F.zeros_like(x), F.broadcast_like, or a per-sample axis of 1 before K".
@@ -1272,7 +1272,7 @@ def test_experts_routed_by_the_gate_while_still_given_an_index_merge(policy):
     Python-routed version's signature kept) runs one launch per call with a
     ContractWarning saying its ``Reshape`` reshapes across the samples' axis,
     which it does not. ``signatures._trace`` leaves unused inputs out of its
-    shape inference (``_used_inputs``); ``contract.internal_shapes`` did not
+    shape inference (``contract.used_inputs``); ``contract.internal_shapes`` did not
     until 2026-11-26, MXNet refused the unknown name, and with no shapes the
     Reshape rule refused. Plain Gluon's numbers either way."""
     xs = [normal(("ignored", k), 1, D) for k in range(len(ROUTES))]

@@ -118,14 +118,11 @@ def internal_shapes(out, nodes, names, shapes):
     symbol's internals)."""
     internals = out.get_internals()
     listed = internals.list_outputs()
-    # only the inputs the graph uses: MXNet's inference refuses a name it does
-    # not know, which left every shape unknown (a block ignoring an input was
-    # refused for a reshape it did not make)
-    used = set(out.list_arguments())
     result = []
     for scale in (1, 2):
-        given = {n: (scale * s[0],) + tuple(s[1:]) for n, s in zip(names, shapes)
-                 if n in used}
+        # (only the inputs the graph uses: a name MXNet does not know left every
+        # shape unknown, and a block ignoring an input was refused for a reshape)
+        given = used_inputs(out, names, [(scale * s[0],) + tuple(s[1:]) for s in shapes])
         try:
             _, got, _ = internals.infer_shape_partial(**given)
         except Exception:  # pylint: disable=broad-except
@@ -304,3 +301,60 @@ def first_operator(out, names, shapes, test):
         if node["op"] != "null" and test(one.get(j, [()]), two.get(j, [])):
             return node
     return None
+
+
+def used_inputs(out, names, values):
+    """``{input name: value}`` for the inputs the traced symbol ``out`` uses: an
+    input its graph does not use is not among its arguments (MXNet warns of it
+    and runs the block), and MXNet's inference refuses a name it does not know."""
+    used = set(out.list_arguments())
+    return {nm: v for nm, v in zip(names, values) if nm in used}
+
+
+def doubling_mix(out, error, names, shapes):
+    """The ``Mix`` of a traced symbol ``out`` (on inputs ``names`` of
+    ``shapes``) whose shapes MXNet could infer at a call's shapes but not at
+    twice the rows (``error``): the operator MXNet names, if any, and the
+    call's arguments it reads that it cannot take with twice the rows (a
+    weight passed in, per sample)."""
+    first = str(error).strip().splitlines()
+    text = next((line for line in first if "Error in operator" in line), first[-1] if first
+                else type(error).__name__)
+    node = op = "?"
+    args = []
+    if "Error in operator " in text:
+        node = text.split("Error in operator ", 1)[1].split(":", 1)[0].strip()
+        graph = json.loads(out.tojson())["nodes"]
+        me = next((n for n in graph if n["name"] == node), None)
+        if me is not None:
+            op = me["op"]
+            read, todo = set(), [i[0] for i in me["inputs"]]
+            while todo:             # the inputs it reads, through any operators
+                n = graph[todo.pop()]
+                if n["op"] == "null":
+                    read.add(n["name"])
+                else:
+                    todo.extend(i[0] for i in n["inputs"])
+            args = [i for i, nm in enumerate(names) if nm in read and
+                    not _infers(out, names, [(2 * s[0],) + tuple(s[1:]) if j == i else s
+                                             for j, s in enumerate(shapes)])]
+    given = "" if not args else \
+        "; here %s of the call (shape %s), which it cannot take with twice the rows: not " \
+        "the sample's rows but, e.g., a weight made per sample, which merges only as a " \
+        "batch of its own: a leading axis of 1 on it and F.batch_dot for the product" % (
+            " and ".join("argument %d" % i for i in args),
+            ", ".join(str(shapes[i]) for i in args))
+    return Mix(op, node, "cannot take twice the rows: it pairs each sample with an "
+                        "array of fixed rows, a constant such as F.zeros((1, H)) or a "
+                        "parameter of shape (K, ...)%s (MXNet: %s; to merge, give such an "
+                        "array the sample's rows: F.zeros_like(x), F.broadcast_like, or "
+                        "a per-sample axis of 1 before K)" % (given, text.strip()))
+
+
+def _infers(out, names, shapes):
+    """Whether MXNet infers the shapes of ``out`` on inputs of ``shapes``."""
+    try:
+        out.infer_shape_partial(**used_inputs(out, names, shapes))
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True

@@ -16,9 +16,9 @@ output through a call passing it gradient is refused (``refuse``); through
 Not followed: calls computed by an earlier flush (a read, a pipelined chunk),
 which have let go of their inputs, and values made from a marked output by
 a reshape or a concatenation (views and row composites of concrete rows)."""
+from ..errors import first_line
 from ..graph import Node, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
-from ..errors import first_line
 from .lazy import LazyArray, NotDifferentiableError, node_of
 
 _MARKED = [0]   # outputs marked so far: until one is, a backward reaching all is not followed
@@ -80,6 +80,10 @@ def _trained_block(ex):
         any(p.grad_req != "null" for p in block.collect_params().values())
 
 
+_FIX = ("Fix: pass retain_graph=True to that backward, or call the block again in this "
+        "recording; .detach() it if a constant is meant.")
+
+
 def refuse(node):
     """A backward reaching an output of ``node``, which an earlier one freed."""
     raise NotDifferentiableError(
@@ -87,9 +91,7 @@ def refuse(node):
         "backward() left it out of its loss: per sample its recorded graph would carry a "
         "gradient here, while merged it shared a launch with samples that backward reached, "
         "which freed the launch's record (retain_graph=False), so its gradient would be "
-        "lost. Fix: pass retain_graph=True to that backward, or call the block again in "
-        "this recording; .detach() it if a constant is meant."
-        % (node.info.name, node.site or "?"))
+        "lost. %s" % (node.info.name, node.site or "?", _FIX))
 
 
 def freed(error):
@@ -100,5 +102,4 @@ def freed(error):
         "this backward reaches a value computed from an output, but an earlier backward() "
         "left it out of its loss: merged, that output shared a launch with samples that "
         "backward reached, which freed the launch's record (retain_graph=False); MXNet: %s. "
-        "Fix: pass retain_graph=True to that backward, or call the block again in this "
-        "recording; .detach() it if a constant is meant." % first_line(error)) from error
+        "%s" % (first_line(error), _FIX)) from error

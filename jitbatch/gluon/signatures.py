@@ -20,7 +20,6 @@ A new block signature is found by tracing the block once (MXNet's
 the rows (outputs must scale along axis 0), at an odd length (outputs that
 keep any shared leading length make the signature *ragged*), and for
 zero-padded blocks at one more along the padded axes."""
-import json
 import warnings
 
 import numpy as np
@@ -349,11 +348,11 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     _finish_deferred(block, args, out)
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
-        _, o1, _ = out.infer_shape_partial(**_used_inputs(out, names, shapes))
+        _, o1, _ = out.infer_shape_partial(**contract.used_inputs(out, names, shapes))
         _, ot, _ = out.infer_type(**_param_dtypes(block, out,
-                                                  _used_inputs(out, names, dtypes)))
+                                                  contract.used_inputs(out, names, dtypes)))
         try:
-            _, o2, _ = out.infer_shape_partial(**_used_inputs(
+            _, o2, _ = out.infer_shape_partial(**contract.used_inputs(
                 out, names, [(2 * s[0],) + tuple(s[1:]) for s in shapes]))
         except Exception as e:  # pylint: disable=broad-except
             if '"op": "RNN"' in out.tojson():
@@ -361,7 +360,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             # an operator pairs the sample with an array of fixed rows (a
             # constant or parameter of shape (K, ...)): one sample at a time
             # is what the block computes
-            doubled, o2 = _doubling_mix(out, e, names, shapes), o1
+            doubled, o2 = contract.doubling_mix(out, e, names, shapes), o1
     except Exception as e:
         if '"op": "RNN"' in out.tojson():
             raise BatchingError(
@@ -478,14 +477,6 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
 _WARNED = set()   # (block name, operator node) already warned about
 
 
-def _used_inputs(out, names, values):
-    """``{input name: value}`` for the inputs the traced symbol ``out`` uses: an
-    input its graph does not use is not among its arguments (MXNet warns of it
-    and runs the block), and MXNet's inference refuses a name it does not know."""
-    used = set(out.list_arguments())
-    return {nm: v for nm, v in zip(names, values) if nm in used}
-
-
 def _param_dtypes(block, out, known):
     """``known`` (input name -> dtype) with the dtypes of the block's parameters
     as they hold them: a parameter's symbol keeps the dtype it was made with,
@@ -520,55 +511,6 @@ def _shapes_by_running(block, args, mode):
     return [o.shape for o in outs]
 
 
-def _doubling_mix(out, error, names, shapes):
-    """The ``Mix`` of a traced symbol ``out`` (on inputs ``names`` of
-    ``shapes``) whose shapes MXNet could infer at a call's shapes but not at
-    twice the rows (``error``): the operator MXNet names, if any, and the
-    call's arguments it reads that it cannot take with twice the rows (a
-    weight passed in, per sample)."""
-    first = str(error).strip().splitlines()
-    text = next((line for line in first if "Error in operator" in line), first[-1] if first
-                else type(error).__name__)
-    node = op = "?"
-    args = []
-    if "Error in operator " in text:
-        node = text.split("Error in operator ", 1)[1].split(":", 1)[0].strip()
-        graph = json.loads(out.tojson())["nodes"]
-        me = next((n for n in graph if n["name"] == node), None)
-        if me is not None:
-            op = me["op"]
-            read, todo = set(), [i[0] for i in me["inputs"]]
-            while todo:             # the inputs it reads, through any operators
-                n = graph[todo.pop()]
-                if n["op"] == "null":
-                    read.add(n["name"])
-                else:
-                    todo.extend(i[0] for i in n["inputs"])
-            args = [i for i, nm in enumerate(names) if nm in read and
-                    not _infers(out, names, [(2 * s[0],) + tuple(s[1:]) if j == i else s
-                                             for j, s in enumerate(shapes)])]
-    given = "" if not args else \
-        "; here %s of the call (shape %s), which it cannot take with twice the rows: not " \
-        "the sample's rows but, e.g., a weight made per sample, which merges only as a " \
-        "batch of its own: a leading axis of 1 on it and F.batch_dot for the product" % (
-            " and ".join("argument %d" % i for i in args),
-            ", ".join(str(shapes[i]) for i in args))
-    return contract.Mix(op, node, "cannot take twice the rows: it pairs each sample with an "
-                        "array of fixed rows, a constant such as F.zeros((1, H)) or a "
-                        "parameter of shape (K, ...)%s (MXNet: %s; to merge, give such an "
-                        "array the sample's rows: F.zeros_like(x), F.broadcast_like, or "
-                        "a per-sample axis of 1 before K)" % (given, text.strip()))
-
-
-def _infers(out, names, shapes):
-    """Whether MXNet infers the shapes of ``out`` on inputs of ``shapes``."""
-    try:
-        out.infer_shape_partial(**_used_inputs(out, names, shapes))
-    except Exception:  # pylint: disable=broad-except
-        return False
-    return True
-
-
 def _unmergeable(block, mix):
     """Say once per block and operator that ``block``'s calls run per sample
     (``mix``: why), or raise under ``config.strict``; returns the error's text
@@ -595,7 +537,7 @@ def _check_pad_outputs(block, out, names, shapes, o1, pad):
     grown = [tuple(s[:pad[i]]) + (s[pad[i]] + 1,) + tuple(s[pad[i] + 1:]) if i in pad else s
              for i, s in enumerate(shapes)]
     try:
-        _, o3, _ = out.infer_shape_partial(**_used_inputs(out, names, grown))
+        _, o3, _ = out.infer_shape_partial(**contract.used_inputs(out, names, grown))
     except Exception as e:
         raise BatchingError(
             "block %s: zero_pad(%s) declared, but the block cannot take inputs of shapes %s "
@@ -625,7 +567,7 @@ def _rowwise_any_length(out, names, shapes, o1):
         if other == length:
             continue
         try:
-            _, o3, _ = out.infer_shape_partial(**_used_inputs(
+            _, o3, _ = out.infer_shape_partial(**contract.used_inputs(
                 out, names, [(other,) + tuple(s[1:]) for s in shapes]))
         except Exception:  # pylint: disable=broad-except
             return False
