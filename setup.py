@@ -100,6 +100,7 @@ setup(
     install_requires=[
         "mxnet==1.9.1",
         "numpy>=1.20,<1.24",      # mxnet 1.9.1 uses np.bool
+        "greenlet>=2.0",          # jitbatch.map's samples: coroutines on the caller's thread
     ],
     extras_require={
         # the Tree-LSTM example and the benchmark scripts: progress bars and plots

@@ -25,7 +25,7 @@ import warnings
 #: compiled by setup.py: the records and loops run per node (graph, scheduling,
 #: recording, gather planning) and the direct MXNet calls; the per-flush code
 #: (cost, execute, pipeline) gains nothing measurable compiled and stays Python
-MODULES = ("jitbatch.graph", "jitbatch.signature", "jitbatch.schedule", "jitbatch.baton",
+MODULES = ("jitbatch.graph", "jitbatch.signature", "jitbatch.schedule",
            "jitbatch.gluon._mxapi", "jitbatch.gluon.lazy", "jitbatch.gluon.meta",
            "jitbatch.gluon.gather", "jitbatch.gluon.signatures", "jitbatch.gluon.modes",
            "jitbatch.gluon.sites", "jitbatch.gluon.writes", "jitbatch.gluon.record",

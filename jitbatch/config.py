@@ -53,10 +53,10 @@ row_buckets = 16
 #: (``jitbatch.ContractWarning``); True raises ``BatchingError`` there instead
 strict = False
 
-#: ``jitbatch.map`` runs at most this many samples at once, each in a thread
-#: of its own (kept for the process): the samples past it start as earlier
-#: ones end, so a minibatch larger than it flushes each read point once per
-#: this many samples
+#: ``jitbatch.map`` runs at most this many samples at once (each a greenlet,
+#: holding its frames while it waits at a read; the name is from when each
+#: ran in a thread): the samples past it start as earlier ones end, so a
+#: minibatch larger than it flushes each read point once per this many samples
 map_threads = 256
 
 

@@ -24,7 +24,7 @@ import venv
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REQUIRED = {"mxnet", "numpy"}
+REQUIRED = {"greenlet", "mxnet", "numpy"}
 UNWANTED = {"gluonnlp", "scipy", "matplotlib", "tqdm", "cython"}
 
 

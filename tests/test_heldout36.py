@@ -1281,9 +1281,10 @@ def test_deferred_layers_are_initialized_at_the_first_call_as_plain_gluon(
     pending) every parameter exists with plain Gluon's values (the same seed,
     drawn at the first call), a seeded draw after the calls is plain
     Gluon's, and the outputs and a training step's parameters are too. Also
-    with the first calls made by ``jitbatch.map``: its samples run in pool
-    threads, whose MXNet generators are their own, and the initializer runs
-    in the caller's thread, as in the loop (``interleave.as_caller``)."""
+    with the first calls made by ``jitbatch.map``: its samples ran in pool
+    threads, whose MXNet generators are their own, and the initializer had
+    to run in the caller's thread, as in the loop; they are greenlets on the
+    caller's thread now (``gluon/interleave.py``)."""
     def program(flagged):
         net, xs = _deferred_layer(kind)
         if flagged:

@@ -70,9 +70,10 @@ Findings, fixed 2026-11-26:
   (``_mxapi.adopt_state``) but not its generator; README and
   docs/design.rst said nothing of draws under map. Numbers given the drawn
   actions are exact (the REINFORCE and SCST tests feed them to plain Gluon).
-  A sample's random operators now run in the caller's thread
-  (``interleave.as_caller``): from the caller's generator, each sample's its
-  own, fixed by the caller's seed (in another order than the loop's:
+  A sample's random operators then ran in the caller's thread
+  (``interleave.as_caller``); since 2026-11-27 the samples are greenlets on
+  the caller's thread: they draw from the caller's generator, each sample its
+  own numbers, fixed by the caller's seed (in another order than the loop's:
   README.rst says so).
 * The first ``nd.contrib.boolean_mask`` of a lazy array in a process printed
   MXNet's "Cannot decide shape for the following arguments ..."

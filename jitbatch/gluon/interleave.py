@@ -3,82 +3,62 @@
 A per-sample program that reads a value (``int(x.argmax().asscalar())`` to
 route a sample) runs its graph at every read, so in a plain loop only what
 is pending at that moment merges. ``map(fn, items)`` runs ``fn(item)`` for
-every item, each in a thread of its own but one at a time (a baton passed
-between them): a sample whose read needs a pending value parks there and the
-next sample runs; when no sample can go on, one flush computes what all of
-them wait for, and they go on in the order they parked. So each read point
-costs one merged flush per minibatch, not one per sample. The samples record
-into the caller's graph (``graph.share``) under the caller's autograd state,
-default device and NumPy-interface state; their Python side effects interleave at reads, as
-threads' do. MXNet keeps one random generator per thread, each new one starting from
-the same state: what draws from it in a sample (an operator in ``DRAWS``, a deferred
-initializer) runs in the caller's thread (``in_caller``), so the draws come from the
-caller's generator, as in the loop (in another order). A flush at a sample's read runs
-in that sample's thread: its merged launches draw from that thread's generator."""
-import os
-import threading
+every item, each in a greenlet of its own (a coroutine on the caller's
+thread), one at a time: a sample whose read needs a pending value parks
+there and the next sample runs; when no sample can go on, one flush computes
+what all of them wait for, and they go on in the order they parked. So each
+read point costs one merged flush per minibatch, not one per sample. The
+samples record into the caller's graph under the caller's autograd state,
+default device and NumPy-interface state, each keeping its own changes of
+them across its parks; their Python side effects interleave at reads. Being
+the caller's thread, they draw random numbers from the caller's generator
+(in another order than the loop)."""
 from collections import deque
 
-from .. import baton, config, execute
-from ..graph import current_graph, recorder, share
+import greenlet
+
+from .. import config, execute
+from ..graph import current_graph
 from . import _mxapi
 from .modes import forget_mode
 
-__all__ = ["map_samples", "in_sample", "as_caller", "DRAWS"]
-
-
-class _Here(threading.local):
-    task = None     # the sample this worker thread runs (None: not a worker)
-
-
-_here = _Here()
-_IDLE = []                   # workers waiting for a sample (list.pop/append: atomic)
-# a forked child has none of the parent's worker threads (a map there handed
-# its first sample to one and hung)
-os.register_at_fork(after_in_child=_IDLE.clear)
+__all__ = ["map_samples", "in_sample"]
 
 
 class _Aborted(BaseException):
     """Unwinds a parked sample after another sample failed (or the caller was
-    interrupted): raised at its read, caught by its worker."""
+    interrupted): raised at its read, caught by its greenlet."""
 
 
-class _Worker(threading.Thread):
-    """A pool thread: runs one sample at a time, as long as the process lives."""
+class _Sample(greenlet.greenlet):
+    """The greenlet of one sample (``task``)."""
 
-    def __init__(self):
-        super(_Worker, self).__init__(name="jitbatch-map", daemon=True)
-        self.baton = baton.new()   # handed to this thread to let it run
-        self.task = None
-
-    def run(self):
-        give = None
-        while True:
-            baton.hand(give, self.baton)
-            task = self.task
-            give = task.run.body(task)
+    def __init__(self, task, hub):
+        super(_Sample, self).__init__(task.run.body, hub)
+        self.task = task
 
 
 class _Task(object):
-    __slots__ = ("run", "index", "item", "result", "error", "worker")
+    __slots__ = ("run", "index", "item", "result", "error", "glet", "state")
 
     def __init__(self, run, index, item):
         self.run, self.index, self.item = run, index, item
-        self.result = self.error = self.worker = None
+        self.result = self.error = self.glet = None
+        self.state = None   # its autograd, device and NumPy states while it is parked
 
 
-#: handles of the operators that draw random numbers (``patch.install`` fills it)
-DRAWS = set()
+def _current():
+    """The sample running now (None: not in a sample)."""
+    return getattr(greenlet.getcurrent(), "task", None)
 
 
 class _Run(object):
     """One ``map`` call: its samples, which can run (``ready``), which wait at a
-    read (``parked``), and the caller's state each sample runs under."""
+    read (``parked``), and the caller's state each sample starts under."""
 
     def __init__(self, fn, items, graph):
         self.fn = fn
         self.graph = graph
-        self.owner = recorder()
         self.mode = _mxapi.autograd_state()
         self.device = _mxapi.default_device()
         self.np = _mxapi.np_state()
@@ -86,19 +66,17 @@ class _Run(object):
         self.fresh = deque(self.tasks)   # not started yet
         self.ready = deque()             # started, can go on (parked before a flush)
         self.parked = []
-        self.running = 0                 # started and not ended (each holds a thread)
+        self.running = 0                 # started and not ended
         self.failed = []        # samples whose fn raised, in the order they raised
         self.aborted = False
-        self.caller = threading.Lock()
-        self.caller.acquire()
-        self.request = None     # (fn, task, [result, error]): for the caller's thread to run
+        self.hub = None         # the caller's greenlet, which switches between samples
 
     def go(self):
-        """Run every sample (the caller's thread waits); their results in order."""
+        """Run every sample; their results in order."""
         g = self.graph
         g.sharing = self
         # a window of eager calls ('auto' found nothing to merge in flushes of one
-        # sample each) ends while the samples run side by side (see wake), and
+        # sample each) ends while the samples run side by side (see resume), and
         # the caller's own window and streak come back after: the map's flushes
         # say nothing of what the caller's loop merges
         window = g.passthrough, g.quiet
@@ -107,19 +85,19 @@ class _Run(object):
         # nor does the pipeline learn from its flushes
         g.limit = config.max_pending
         g.unpiped = True
+        self.hub = greenlet.getcurrent()
         try:
-            baton.hand(self.wake(self.fresh.popleft()), None)
             try:
                 self.serve()
             except BaseException:
-                # interrupted: the running sample goes on to its next read or its
-                # end, the parked ones unwind, the unstarted ones never start
+                # interrupted: the parked samples unwind, the unstarted ones never start
                 self.aborted = True
                 self.serve()
                 raise
         finally:
             g.sharing = None
             g.passthrough, g.quiet = window
+            self.adopt((self.mode, self.device, self.np))
         if self.failed:
             task = self.failed[0]
             err = task.error
@@ -130,76 +108,52 @@ class _Run(object):
         return [t.result for t in self.tasks]
 
     def serve(self):
-        """The caller's wait for the samples to end, running what a sample asks
-        to run in this thread meanwhile (``in_caller``)."""
+        """Switch to the next sample that can run until every sample ended."""
         while True:
-            self.caller.acquire()
-            req = self.request
-            if req is None:
+            task = self.next()
+            if task is None:
                 return
-            self.request = None
-            fn, task, out = req
-            try:
-                out[0] = fn()
-            except BaseException as e:  # pylint: disable=broad-except
-                out[1] = e
-            baton.hand(task.worker.baton, None)
+            self.resume(task)
 
-    def in_caller(self, fn):
-        """``fn()`` run in the caller's thread while this sample waits, what a
-        plain loop runs there (a deferred initializer draws from the caller's
-        random generator); its result, or its exception raised here."""
-        task = _here.task
-        out = [None, None]
-        self.request = (fn, task, out)
-        self.caller.release()
-        baton.hand(None, task.worker.baton)
-        if out[1] is not None:
-            raise out[1]
-        return out[0]
+    @staticmethod
+    def adopt(state):
+        """Make ``state`` (autograd, device, NumPy) this thread's."""
+        _mxapi.adopt_state(state[0], state[1])
+        _mxapi.adopt_np(state[2])
+        forget_mode()   # the graph's kept autograd state may be another sample's
 
-    def wake(self, task):
-        """The baton to hand to let ``task`` run (its first start or a resume)."""
-        forget_mode()   # the graph's kept autograd state was read in another thread
+    def resume(self, task):
+        """Run ``task`` (its start or a resume) until it parks or ends."""
         self.graph.passthrough = 0
-        w = task.worker
-        if w is None:
+        if task.glet is None:
             self.running += 1
-            try:
-                w = _IDLE.pop()
-            except IndexError:
-                w = _Worker()
-                w.start()
-            task.worker = w
-            w.task = task
-        return w.baton
+            task.glet = _Sample(task, self.hub)
+            self.adopt((self.mode, self.device, self.np))
+        else:
+            self.adopt(task.state)
+        task.glet.switch()
 
     def can_start(self):
-        """A sample not started yet may start now (a thread is free for it)."""
+        """A sample not started yet may start now (fewer than the cap run)."""
         return bool(self.fresh) and not self.aborted and self.running < config.map_threads
 
     def next(self):
-        """The baton holder parks or ends: the baton of the next ready sample,
-        else of a new one; with neither, of the last parked one (it runs the
-        graph for all); with none parked either, None, and the caller returns."""
+        """The next ready sample, else a new one; with neither, the last parked
+        one (it runs the graph for all); with none parked either, None."""
         if self.ready:
-            return self.wake(self.ready.popleft())
+            return self.ready.popleft()
         if self.can_start():
-            return self.wake(self.fresh.popleft())
+            return self.fresh.popleft()
         if self.parked:
-            return self.wake(self.parked.pop())
-        self.caller.release()
+            return self.parked.pop()
         return None
 
-    def body(self, task):
-        """Run one sample (in its worker's thread); the baton to hand on."""
-        share(self.graph, self.owner)
-        _here.task = task
+    def body(self):
+        """Run one sample (in its greenlet); it ends by switching to the hub."""
+        task = greenlet.getcurrent().task
         try:
             if self.aborted:
                 raise _Aborted()
-            _mxapi.adopt_state(self.mode, self.device)
-            _mxapi.adopt_np(self.np)
             task.result = self.fn(*task.item)
         except _Aborted:
             pass
@@ -207,26 +161,20 @@ class _Run(object):
             task.error = e
             self.failed.append(task)
             self.aborted = True
-        finally:
-            _here.task = None
-            share(None, None)
-        w = task.worker
-        w.task = None
         self.running -= 1
-        _IDLE.append(w)
-        return self.next()
 
     def wait(self, node):
         """A read of ``node`` (pending) in a sample: park while other samples
         can record; when none can, run the graph here for all the parked ones,
         which can go on after this one. Returns with ``node`` computed, or
         pending for the caller (``lazy.force``) to run its graph."""
-        task = _here.task
+        task = _current()
         if task is None or task.run is not self:
-            return      # the caller's own thread, or a thread of another map
+            return      # the caller itself, or a sample of another map
         while node.batch is None and (self.ready or self.can_start()):
             self.parked.append(task)
-            baton.hand(self.next(), task.worker.baton)
+            task.state = (_mxapi.autograd_state(), _mxapi.default_device(), _mxapi.np_state())
+            self.hub.switch()
             if self.aborted:
                 raise _Aborted()
         if node.batch is None:
@@ -238,16 +186,8 @@ class _Run(object):
 
 
 def in_sample():
-    """Whether this thread runs a sample of ``jitbatch.map``."""
-    return _here.task is not None
-
-
-def as_caller(fn):
-    """``fn()``, in a sample of ``jitbatch.map`` run in the caller's thread."""
-    task = _here.task
-    if task is None:
-        return fn()
-    return task.run.in_caller(fn)
+    """Whether a sample of ``jitbatch.map`` runs now."""
+    return _current() is not None
 
 
 def map_samples(fn, *iterables):
@@ -258,13 +198,12 @@ def map_samples(fn, *iterables):
     other samples have recorded what they can, so one flush serves all of
     their reads. Results in the items' order; the first exception raised (in
     time) is raised, naming its item, and the other samples stop at their next
-    read. Python side effects of ``fn`` interleave at reads, as threads' do.
-    Inside a sample (a nested call) or with fewer than two items it is the
-    plain loop."""
+    read. Python side effects of ``fn`` interleave at reads. Inside a sample
+    (a nested call) or with fewer than two items it is the plain loop."""
     if not iterables:
         raise TypeError("jitbatch.map(fn, items, ...) needs at least one iterable of items")
     items = list(zip(*iterables))     # each item: the arguments of one call
     g = current_graph()
-    if len(items) < 2 or g.sharing is not None or _here.task is not None:
+    if len(items) < 2 or g.sharing is not None or in_sample():
         return [fn(*args) for args in items]
     return _Run(fn, items, g).go()

@@ -41,8 +41,7 @@ from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
-from .axis_rules import RANDOM
-from .interleave import DRAWS, as_caller, in_sample
+from .interleave import in_sample
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, record_block, record_const, record_copy, record_filled,
@@ -67,11 +66,6 @@ def installed():
 def _invoke(handle, ndargs, keys, vals, out, is_np_op, output_is_list):
     """MXNet's ``_imperative_invoke``: an operator with a lazy argument is
     recorded; one without runs as usual (one type check per argument)."""
-    if handle in DRAWS and in_sample():
-        # a random draw in a sample of jitbatch.map: from the caller's generator
-        # (MXNet's are per thread, every new one alike), as the plain loop draws
-        return as_caller(lambda: _invoke(handle, ndargs, keys, vals, out, is_np_op,
-                                         output_is_list))
     if out is not None:     # an in-place write: pending readers of the target run first
         for o in (out if isinstance(out, (list, tuple)) else (out,)):
             before_write(o)
@@ -553,7 +547,6 @@ def install():
                           ("pushpull", guards.kv_pushpull_out)):
         _set(KVStore, name, guards.make_kv_write(getattr(KVStore, name), written))
     find_mutating()
-    DRAWS.update(h for name, h in _mxapi.op_handles().items() if name in RANDOM)
     # the autograd state is kept per thread between records (see modes): every
     # Python path that changes it goes through these module functions
     forget_mode()

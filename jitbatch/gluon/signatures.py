@@ -34,7 +34,6 @@ from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
                         watch_params)
 from .flags import Unhybridized, pad_names
-from .interleave import as_caller
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients, opkeys
@@ -267,13 +266,9 @@ def _finish_deferred(block, args, out):
     order = {name: i for i, name in enumerate(out.list_inputs())}
     waiting.sort(key=lambda p: order.get(p.name, len(order)))
 
-    def finish():
-        for p in waiting:
-            if p._deferred_init:  # pylint: disable=protected-access
-                p._finish_deferred_init()  # pylint: disable=protected-access
-    # (in a sample of jitbatch.map: MXNet's generators are per thread, and the
-    # loop initializes from the caller's)
-    as_caller(finish)
+    for p in waiting:
+        if p._deferred_init:  # pylint: disable=protected-access
+            p._finish_deferred_init()  # pylint: disable=protected-access
 
 
 def _padded_key(block, pad, fmt, mc, mode, fkey):
