@@ -260,6 +260,41 @@ def structure_changed(name, first, now):
             "nd.stack(*children, axis=1))." % (name, first, now))
 
 
+def makes_sparse(out):
+    """Why traced graph ``out`` cannot run merged because it makes sparse
+    storage (``cast_storage`` to row_sparse or csr: a launch hands out dense
+    rows), or None."""
+    text = out.tojson()
+    if '"cast_storage"' not in text:
+        return None
+    for node in json.loads(text)["nodes"]:
+        if node["op"] == "cast_storage" and \
+                node.get("attrs", {}).get("stype", "default") != "default":
+            return "its graph makes sparse storage (cast_storage to %s), and a launch " \
+                   "hands out dense rows" % node["attrs"]["stype"]
+    return None
+
+
+def writes_state(out):
+    """Why traced graph ``out`` cannot run deferred because a custom operator
+    in it writes an auxiliary state as it runs (a running mean: its calls
+    must run in program order, each at its call), or None."""
+    aux = out.list_auxiliary_states()
+    text = out.tojson()
+    if not aux or '"Custom"' not in text:
+        return None
+    nodes = json.loads(text)["nodes"]
+    names = set(aux)
+    for node in nodes:
+        if node["op"] == "Custom" and \
+                any(nodes[i[0]]["op"] == "null" and nodes[i[0]]["name"] in names
+                    for i in node["inputs"]):
+            return "its custom operator %s (op_type %r) writes an auxiliary state as it " \
+                   "runs, so its calls must run in program order, each at its call" \
+                   % (node["name"], node.get("attrs", {}).get("op_type"))
+    return None
+
+
 def sparse_added(block, mode):
     """The ``Mix`` of a recorded block with a row_sparse gradient accumulated
     (``grad_req='add'``): MXNet's sparse embedding gradient refuses to add,
@@ -321,34 +356,74 @@ def doubling_mix(out, error, names, shapes):
     text = next((line for line in first if "Error in operator" in line), first[-1] if first
                 else type(error).__name__)
     node = op = "?"
-    args = []
+    args = fixed = []
     if "Error in operator " in text:
         node = text.split("Error in operator ", 1)[1].split(":", 1)[0].strip()
         graph = json.loads(out.tojson())["nodes"]
         me = next((n for n in graph if n["name"] == node), None)
         if me is not None:
             op = me["op"]
-            read, todo = set(), [i[0] for i in me["inputs"]]
-            while todo:             # the inputs it reads, through any operators
-                n = graph[todo.pop()]
-                if n["op"] == "null":
-                    read.add(n["name"])
-                else:
-                    todo.extend(i[0] for i in n["inputs"])
-            args = [i for i, nm in enumerate(names) if nm in read and
-                    not _infers(out, names, [(2 * s[0],) + tuple(s[1:]) if j == i else s
-                                             for j, s in enumerate(shapes)])]
+            # an input of the operator that reads no argument of the call (a
+            # constant, a parameter) has the same rows whatever the call's: it
+            # is the culprit, and every argument read beside it only looks like one
+            fixed = [graph[i[0]]["name"] for i in me["inputs"]
+                     if not _reads(graph, i[0]) & set(names)]
+            if not fixed:
+                read = _reads(graph, *[i[0] for i in me["inputs"]])
+                args = [i for i, nm in enumerate(names) if nm in read and
+                        not _infers(out, names, [(2 * s[0],) + tuple(s[1:]) if j == i else s
+                                                 for j, s in enumerate(shapes)])]
     given = "" if not args else \
         "; here %s of the call (shape %s), which it cannot take with twice the rows: not " \
         "the sample's rows but, e.g., a weight made per sample, which merges only as a " \
         "batch of its own: a leading axis of 1 on it and F.batch_dot for the product" % (
             " and ".join("argument %d" % i for i in args),
             ", ".join(str(shapes[i]) for i in args))
+    if fixed:
+        given = "; here its input%s %s, which read%s no argument of the call (a constant or " \
+            "a parameter: the same rows for one sample and for many; the elementwise " \
+            "operators want equal shapes, F.broadcast_add / F.broadcast_mul repeat it over " \
+            "the rows)" % ("s" if len(fixed) > 1 else "", " and ".join(fixed),
+                          "" if len(fixed) > 1 else "s")
     return Mix(op, node, "cannot take twice the rows: it pairs each sample with an "
                         "array of fixed rows, a constant such as F.zeros((1, H)) or a "
                         "parameter of shape (K, ...)%s (MXNet: %s; to merge, give such an "
                         "array the sample's rows: F.zeros_like(x), F.broadcast_like, or "
                         "a per-sample axis of 1 before K)" % (given, text.strip()))
+
+
+def _reads(graph, *starts):
+    """The names of the variables (arguments, parameters) that the nodes
+    ``starts`` of ``graph`` (a symbol's JSON nodes) read, through any operators."""
+    read, todo = set(), list(starts)
+    while todo:
+        n = graph[todo.pop()]
+        if n["op"] == "null":
+            read.add(n["name"])
+        else:
+            todo.extend(i[0] for i in n["inputs"])
+    return read
+
+
+def shared_output(out, k, shape, names):
+    """The ``Mix`` of output ``k`` of the traced symbol ``out`` (on inputs
+    ``names``) whose shape (``shape``) is the same for one sample and for twice
+    the rows, where it reads none of the call's arguments: it depends on no
+    sample (a function of the parameters, a log-determinant of a weight), so
+    merged calls would share one value where each call returns its own. None
+    where it reads an argument."""
+    graph = json.loads(out.tojson())
+    head = graph["heads"][k][0]
+    if _reads(graph["nodes"], head) & set(names):
+        return None
+    node = graph["nodes"][head]
+    return Mix(node["op"], node["name"],
+               "gives output %d, of shape %s for one sample and for twice the rows alike: "
+               "it reads no sample's rows (parameters or constants alone), so it has no row "
+               "per sample to merge. To merge the calls, give it the sample's rows "
+               "(F.broadcast_like(v, x) for an input x of shape (1, ...), or "
+               "F.broadcast_mul(F.ones_like(F.slice_axis(x, axis=1, begin=0, end=1)), v)), "
+               "or compute it once outside the block" % (k, tuple(shape)))
 
 
 def _infers(out, names, shapes):

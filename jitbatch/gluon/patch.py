@@ -10,7 +10,6 @@ block whose tracing asks the autograd mode is left unhybridized). The guards
 on functions that change what pending calls read are in :mod:`.guards`; a patch
 wrapped by another library since (``amp.init``) stays at ``uninstall``."""
 import inspect
-import json
 import threading
 import warnings
 from sys import _getframe
@@ -36,7 +35,7 @@ from .. import execute
 from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
-from . import _mxapi, guards, meta, rewrite, signatures
+from . import _mxapi, contract, guards, meta, outputs, rewrite, signatures
 from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
@@ -277,12 +276,20 @@ def _recurrent_is_hybrid(cls):
 
 
 def _call(self, *args):
+    """``Block.__call__``: a flagged block's outputs in the structure its
+    ``hybrid_forward`` returned (``outputs``: namedtuples, Nones)."""
+    if self._jb_cfg is None:
+        return _mxapi.block_call(self, *args)
+    res = _flagged_call(self, args)
+    template = self._jb_outs     # (read after the call: its first call traces the block)
+    return res if template is None else outputs.rebuild(template, res)
+
+
+def _flagged_call(self, args):
     """``Block.__call__`` of a flagged block: if user code raises while
     recording, the nodes this call recorded are dropped (and their lazy arrays
     fail loudly when read), so the next minibatch starts clean (in a plain
     loop; inside ``jitbatch.map`` they stay)."""
-    if self._jb_cfg is None:
-        return _mxapi.block_call(self, *args)
     g: Graph = current_graph()
     mark = len(g.nodes)
     try:
@@ -412,41 +419,6 @@ def _trace_asking_mode(block, args):
     return asked[0] if asked else None
 
 
-def _makes_sparse(out):
-    """Why traced graph ``out`` cannot run merged because it makes sparse
-    storage (``cast_storage`` to row_sparse or csr: a launch hands out dense
-    rows), or None."""
-    text = out.tojson()
-    if '"cast_storage"' not in text:
-        return None
-    for node in json.loads(text)["nodes"]:
-        if node["op"] == "cast_storage" and \
-                node.get("attrs", {}).get("stype", "default") != "default":
-            return "its graph makes sparse storage (cast_storage to %s), and a launch " \
-                   "hands out dense rows" % node["attrs"]["stype"]
-    return None
-
-
-def _writes_state(out):
-    """Why traced graph ``out`` cannot run deferred because a custom operator
-    in it writes an auxiliary state as it runs (a running mean: its calls
-    must run in program order, each at its call), or None."""
-    aux = out.list_auxiliary_states()
-    text = out.tojson()
-    if not aux or '"Custom"' not in text:
-        return None
-    nodes = json.loads(text)["nodes"]
-    names = set(aux)
-    for node in nodes:
-        if node["op"] == "Custom" and \
-                any(nodes[i[0]]["op"] == "null" and nodes[i[0]]["name"] in names
-                    for i in node["inputs"]):
-            return "its custom operator %s (op_type %r) writes an auxiliary state as it " \
-                   "runs, so its calls must run in program order, each at its call" \
-                   % (node["name"], node.get("attrs", {}).get("op_type"))
-    return None
-
-
 def _traced_in_this_mode(block):
     """Drop a flagged block's traced graph if it was traced in the other mode
     of MXNet's NumPy interface (its outputs would be of the other array type;
@@ -468,13 +440,17 @@ def _get_graph(self, *args):
         fresh = not self._cached_graph  # pylint: disable=protected-access
         if fresh and self._jb_cfg is not None:
             self.__dict__["_jb_np"] = np_array_mode()
-            asked = _trace_asking_mode(self, args)
+            box = []
+            self.__dict__["_jb_outs"] = outputs.traced(
+                self, lambda: box.append(_trace_asking_mode(self, args)))
+            asked = box[0]
             traced = self._cached_graph[1]  # pylint: disable=protected-access
             why = ("its hybrid_forward asks autograd.%s(), so a traced graph would keep "
                    "the answer of its first call (plain hybridize() does)" % asked) if asked \
-                else _makes_sparse(traced) or _writes_state(traced)
+                else contract.makes_sparse(traced) or contract.writes_state(traced)
             if why:
                 _mxapi.clear_cached_op(self)
+                self.__dict__.pop("_jb_outs", None)    # unhybridized: as written
                 self._jb_cfg = None
                 self._active = False
                 warnings.warn(
@@ -511,6 +487,7 @@ def install():
     if _patches:
         return
     _set(Block, "_jb_cfg", None)
+    _set(Block, "_jb_outs", None)
     _set(Block, "__call__", _call)
     _set(HybridBlock, "_jb_token", None)
     _set(HybridBlock, "_jb_pad", None)

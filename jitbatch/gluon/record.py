@@ -147,8 +147,11 @@ def _arguments(block, allargs):
         if not isinstance(a, (NDArray, Symbol, list, tuple)) and a is not None:
             raise BatchingError(
                 "block %s: argument %d has type %s; a flagged block takes NDArrays "
-                "(or nested lists of them). Fix: convert it with mx.nd.array(...)."
-                % (block.name, i, type(a).__name__))
+                "(or nested lists of them). Fix: %s."
+                % (block.name, i, type(a).__name__,
+                   "pass the dict's arrays as separate arguments or as a list, in a fixed "
+                   "order (e.g. [d[k] for k in sorted(d)])" if isinstance(a, dict) else
+                   "convert it with mx.nd.array(...)"))
     try:
         flat, fmt = _flatten(allargs, "input")
     except ValueError as e:

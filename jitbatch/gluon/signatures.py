@@ -423,6 +423,10 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "be merged. Fix: call such operators outside the flagged block, on its "
                 "outputs, or hybridize this block without dynamic_batch."
                 % (block.name, k, shapes, contract.unknown_shape_op(out, names, shapes)))
+        if tuple(b) == tuple(a):
+            doubled = contract.shared_output(out, k, a, names)   # one sample at a time
+            if doubled is not None:
+                break
         if b[0] != 2 * a[0] or tuple(b[1:]) != tuple(a[1:]):
             crossed = contract.crossed_rows(block.name, shapes, k, a, b, out, names)
             if crossed is not None:
