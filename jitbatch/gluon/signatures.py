@@ -325,7 +325,9 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             raise BatchingError("block %s: argument %d has shape (); batching concatenates "
                                 "along axis 0. Fix: give it a leading axis." % (block.name, i))
     kinds = sorted(set(np.dtype(d).name for d in dtypes))
-    if len(kinds) > 1:
+    if len(kinds) > 1 and not _types_infer(block, out, names, dtypes):
+        # (where MXNet infers the graph's types it takes them as they are: an
+        # integer length beside float features, softmax's use_length)
         # the advice casts toward a floating dtype: integer ids cast to float stay
         # exact, features cast to an integer dtype would be truncated
         names_ = [np.dtype(d).name for d in dtypes]
@@ -339,7 +341,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             "one dtype. Fix: cast argument %d with .astype('%s')%s."
             % (block.name, odd, names_[odd], target, names_[target], odd, names_[target],
                " (integer ids stay exact in float32 up to 2**24, and Embedding and take "
-               "read float ids)" if ids else ""))
+               "read float ids; where an operator wants integers, cast inside "
+               "hybrid_forward: F.cast(x, 'int32'))" if ids else ""))
     _finish_deferred(block, args, out)
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
@@ -508,6 +511,16 @@ def _shapes_by_running(block, args, mode):
     for o in outs:
         o.wait_to_read()
     return [o.shape for o in outs]
+
+
+def _types_infer(block, out, names, dtypes):
+    """Whether MXNet infers the output types of graph ``out`` on inputs of
+    ``dtypes`` (of several kinds) and the block's parameters."""
+    try:
+        out.infer_type(**_param_dtypes(block, out, contract.used_inputs(out, names, dtypes)))
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
 
 
 def _unmergeable(block, mix):
