@@ -18,6 +18,7 @@ operator without a rule is a Mix: jitbatch merges only what it can prove. A
 rule's result is also checked against MXNet's shape inference at the call's
 shapes and at twice the rows (the per-sample axis must be the one that
 doubles). The outputs must keep the samples along axis 0."""
+import inspect
 import json
 
 from mxnet.util import is_np_shape
@@ -232,11 +233,13 @@ def crossed_rows(name, shapes, k, a, b, out=None, names=None):
             % (name, shapes, k, a, b, where, culprit, memory))
 
 
-def structure_changed(name, first, now):
+def structure_changed(name, first, now, forward=None):
     """The error for a call of block ``name`` whose arguments' structure
     (Gluon's format: 0 an array, -1 None, a list a nested list) differs from
     its first call's: an argument that was None and is an array now (an
-    optional mask), or a varying number of arrays."""
+    optional mask), one left out of one of the calls (an optional argument,
+    unless ``forward``, its ``hybrid_forward``, takes ``*args``), or a varying
+    number of arrays."""
     def slots(fmt, path):
         if isinstance(fmt, list):
             for i, f in enumerate(fmt):
@@ -254,10 +257,31 @@ def structure_changed(name, first, now):
                     "this block without dynamic_batch." % (
                         name, where, "None" if was[path] == -1 else "an array",
                         "an array" if got[path] == 0 else "None", first, now))
+    varargs = forward is None or _takes_varargs(forward)
+    for path in sorted(set(was) ^ set(got)):
+        if not varargs and len(path) == 1 and was.get(path, got.get(path)) == 0:
+            # an optional argument left out of one call (hr=None by default)
+            return ("block %s: argument %d was %s in its first call and is %s now (argument "
+                    "structures %s, then %s: 0 an array, -1 None); a hybridized block keeps "
+                    "one structure (plain hybridize() refuses alike). Fix: pass an array in "
+                    "every call (a zero state for a missing child), or hybridize this block "
+                    "without dynamic_batch." % (
+                        name, path[0], "left out" if path not in was else "an array",
+                        "an array" if path in got else "left out", first, now))
     return ("block %s was first called with argument structure %s and now with %s (0 an "
             "array, -1 None, a list a nested list); a hybridized block keeps one structure. "
             "Fix: pass a varying number of arrays as one stacked array (e.g. "
-            "nd.stack(*children, axis=1))." % (name, first, now))
+            "nd.stack(*children, axis=1)), or hybridize this block without dynamic_batch."
+            % (name, first, now))
+
+
+def _takes_varargs(fn):
+    """Whether ``fn`` takes ``*args`` (a varying number of arrays)."""
+    try:
+        return any(p.kind is inspect.Parameter.VAR_POSITIONAL
+                   for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
 
 
 def makes_sparse(out):

@@ -316,7 +316,8 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         else:
             p._check_and_get(p._data, ctx)  # pylint: disable=protected-access
     if block._in_format != fmt:  # pylint: disable=protected-access
-        raise BatchingError(contract.structure_changed(block.name, block._in_format, fmt))  # pylint: disable=protected-access
+        raise BatchingError(contract.structure_changed(  # pylint: disable=protected-access
+            block.name, block._in_format, fmt, block.hybrid_forward))
     names = [s.name for s in inputs]
     shapes = [m[0] for m in mc]
     dtypes = [m[1] for m in mc]
