@@ -16,7 +16,7 @@ from ..errors import BatchingError, first_line
 from ..graph import Graph, Node, current_graph
 from . import _mxapi, history
 from .executors import BlockExec
-from .interleave import in_sample
+from .interleave import check_step, in_sample, keeping_others
 from .lazy import LazyArray, NotDifferentiableError, node_of
 from .writes import before_write, refuse_if_read_elsewhere, run_parked
 
@@ -73,7 +73,7 @@ def make_backward(orig, heads_of):
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
         watched = None if retain else history.watch(heads)
         try:
-            res = orig(*args, **kwargs)
+            res = keeping_others(heads, lambda: orig(*args, **kwargs))
         except MXNetError as e:
             if "any container is empty" not in str(e) or "AGInfo" not in str(e):
                 raise
@@ -221,6 +221,7 @@ def make_trainer_update(orig):
     through its C API, which no write hook sees)."""
     @wraps(orig)
     def update(self, *args, **kwargs):
+        check_step(self._params)  # pylint: disable=protected-access
         mine = current_graph()
         if any(g is not mine and g.nodes for g in gcdefer.pending()):
             for p in self._params:  # pylint: disable=protected-access

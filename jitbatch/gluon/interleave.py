@@ -13,16 +13,20 @@ default device and NumPy-interface state, each keeping its own changes of
 them across its parks; their Python side effects interleave at reads. Being
 the caller's thread, they draw random numbers from the caller's generator
 (in another order than the loop)."""
+import contextvars
 from collections import deque
 
 import greenlet
+from mxnet import autograd
+from mxnet.ndarray import NDArray
 
 from .. import config, execute
+from ..errors import BatchingError
 from ..graph import current_graph
 from . import _mxapi
 from .modes import forget_mode
 
-__all__ = ["map_samples", "in_sample"]
+__all__ = ["map_samples", "in_sample", "keeping_others", "noting_attach", "check_step"]
 
 
 class _Aborted(BaseException):
@@ -36,6 +40,9 @@ class _Sample(greenlet.greenlet):
     def __init__(self, task, hub):
         super(_Sample, self).__init__(task.run.body, hub)
         self.task = task
+        # the caller's context variables (decimal's context, a request id), as
+        # the loop sees them; what a sample sets stays its own
+        self.gr_context = contextvars.copy_context()
 
 
 class _Task(object):
@@ -70,6 +77,9 @@ class _Run(object):
         self.failed = []        # samples whose fn raised, in the order they raised
         self.aborted = False
         self.hub = None         # the caller's greenlet, which switches between samples
+        self.flush_error = None  # what the flush at a sample's read raised, if it did
+        self.used = {}          # id -> (array with a gradient buffer, the samples using it)
+        self.blocks = {}        # id -> (flagged block, the samples calling it)
 
     def go(self):
         """Run every sample; their results in order."""
@@ -101,9 +111,16 @@ class _Run(object):
         if self.failed:
             task = self.failed[0]
             err = task.error
-            err.add_note("(in jitbatch.map: raised by the call of item %d, %d items in all; the "
-                         "samples not finished then were stopped at their next read)"
-                         % (task.index, len(self.tasks)))
+            if err is self.flush_error:
+                err.add_note("(in jitbatch.map: raised while running the calls of every sample "
+                             "waiting at a read, at the read of item %d, %d items in all: the "
+                             "failing call may be another item's (its call site is above); the "
+                             "samples not finished then were stopped at their next read)"
+                             % (task.index, len(self.tasks)))
+            else:
+                err.add_note("(in jitbatch.map: raised by the call of item %d, %d items in "
+                             "all; the samples not finished then were stopped at their next "
+                             "read)" % (task.index, len(self.tasks)))
             raise err
         return [t.result for t in self.tasks]
 
@@ -180,9 +197,119 @@ class _Run(object):
         if node.batch is None:
             try:
                 execute.run_graph(self.graph, forced=True, reason="read")
+                if self.parked:
+                    # every waiting sample reads what this flush computes: an
+                    # operator failing as it runs (a take out of range) is
+                    # raised here, the flush's, not at one of their reads
+                    _mxapi.waitall()
+            except BaseException as e:
+                self.flush_error = e
+                raise
             finally:
                 self.ready.extend(self.parked)
                 self.parked = []
+
+    def note(self, arr, task):
+        """Sample ``task`` uses ``arr``, an array with a gradient buffer."""
+        entry = self.used.get(id(arr))
+        if entry is None or entry[0] is not arr:
+            entry = self.used[id(arr)] = (arr, set())
+        entry[1].add(task.index)
+
+    def note_inputs(self, arrays):
+        """A call recorded by the running sample reads ``arrays``: note the
+        concrete ones with a gradient buffer (its inputs ``attach_grad``-ed)."""
+        task = _current()
+        if task is None:
+            return
+        for a in arrays:
+            if type(a) is NDArray and a.grad is not None:
+                self.note(a, task)
+
+    def note_block(self, block):
+        """The running sample calls flagged ``block``."""
+        task = _current()
+        if task is not None:
+            entry = self.blocks.get(id(block))
+            if entry is None or entry[0] is not block:
+                entry = self.blocks[id(block)] = (block, set())
+            entry[1].add(task.index)
+
+    def check_step(self, task, params):
+        """A trainer's step in sample ``task`` over ``params``: refused where
+        another sample called a block reading them. The samples run side by
+        side, each recording before the others' steps, where the loop runs
+        each sample after the steps of the ones before it."""
+        ids = {id(a) for p in params for a in (p._data or ())}  # pylint: disable=protected-access
+        for block, users in self.blocks.values():
+            if users - {task.index} and any(id(a) in ids for p in block.collect_params().values()
+                                            for a in (p._data or ())):  # pylint: disable=protected-access
+                raise BatchingError(
+                    "Trainer.step in a sample of jitbatch.map (item %d) updates parameters "
+                    "of block %s, which other samples of the map call too: the samples run "
+                    "side by side (each records its calls before the others' steps), where "
+                    "the plain loop runs each sample after the steps of the ones before it, "
+                    "so a step per sample would train other parameters. Fix: return the "
+                    "losses from the samples and step once after map (e.g. "
+                    "nd.add_n(*losses).backward(); trainer.step(n)), or run these samples "
+                    "in a plain loop." % (task.index, block.name))
+
+    def others(self, task):
+        """Copies of the gradient buffers of the arrays that only other samples
+        use: ``[(buffer, copy)]``."""
+        kept = []
+        with autograd.pause():
+            for arr, users in self.used.values():
+                if task.index not in users:
+                    g = arr.grad
+                    if g is not None:
+                        kept.append((g, g.copy()))
+        return kept
+
+
+def noting_attach(orig):
+    """``NDArray.attach_grad``: inside a sample, the array is the sample's."""
+    def attach_grad(self, *args, **kwargs):
+        res = orig(self, *args, **kwargs)
+        task = _current()
+        if task is not None:
+            task.run.note(self, task)
+        return res
+    attach_grad.__doc__ = orig.__doc__
+    return attach_grad
+
+
+def check_step(params):
+    """``Trainer.step`` over ``params``: in a sample of ``jitbatch.map``,
+    refused where other samples call a block reading them (``_Run.check_step``)."""
+    task = _current()
+    if task is not None:
+        task.run.check_step(task, params)
+
+
+def keeping_others(heads, backward):
+    """``backward()`` from ``heads`` run in a sample, the other samples' input
+    gradients kept. Their calls merged with this sample's into launches the
+    backward passes through, so it writes a gradient (0: this sample's loss
+    does not read them) into every input of those launches with a buffer:
+    per sample, only this sample's are written. Inputs are told apart by the
+    samples that attached them or passed them to a recorded call (``note``).
+    The heads are computed first (the sample may park there, while the
+    others run their own backwards), then the buffers copied."""
+    task = _current()
+    if task is None or not task.run.used:
+        return backward()
+    for h in heads:
+        if isinstance(h, NDArray):
+            h.wait_to_read()
+    kept = task.run.others(task)
+    try:
+        return backward()
+    finally:
+        if kept:
+            with autograd.pause():
+                for g, copy in kept:
+                    copy.copyto(g)
 
 
 def in_sample():

@@ -108,6 +108,9 @@ def record_block(block, g, x, args, frame):
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)
     _note_reads(g, flat)
+    if gr.sharing is not None:      # a sample of jitbatch.map: its inputs with gradients
+        gr.sharing.note_inputs(flat)
+        gr.sharing.note_block(block)
     gr.reads[id(block)] = block     # a pending call keeps its block alive
     si: SigInfo = info
     out_meta = si.out_meta
@@ -246,6 +249,8 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     if not gr.nodes:
         _begin(g, None, mode_)
     _note_reads(g, ndargs)
+    if gr.sharing is not None:
+        gr.sharing.note_inputs(ndargs)
     node = gr.add(info, tuple(ndargs), site(), mode_)
     if info.op.lift is not None:    # its scalar is the node's, not the signature's
         node.lifted = vals[0]
