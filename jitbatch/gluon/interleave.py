@@ -35,14 +35,13 @@ class _Aborted(BaseException):
 
 
 class _Sample(greenlet.greenlet):
-    """The greenlet of one sample (``task``)."""
+    """A greenlet running samples (``task``: the one it runs now): a sample
+    that ends without others ready hands it to the next new sample, as a
+    loop goes on to its next item (no switch, no new greenlet)."""
 
-    def __init__(self, task, hub):
-        super(_Sample, self).__init__(task.run.body, hub)
-        self.task = task
-        # the caller's context variables (decimal's context, a request id), as
-        # the loop sees them; what a sample sets stays its own
-        self.gr_context = contextvars.copy_context()
+    def __init__(self, run, hub):
+        super(_Sample, self).__init__(run.work, hub)
+        self.task = None
 
 
 class _Task(object):
@@ -69,6 +68,7 @@ class _Run(object):
         self.mode = _mxapi.autograd_state()
         self.device = _mxapi.default_device()
         self.np = _mxapi.np_state()
+        self.context = contextvars.copy_context()     # the caller's context variables
         self.tasks = [_Task(self, i, x) for i, x in enumerate(items)]
         self.fresh = deque(self.tasks)   # not started yet
         self.ready = deque()             # started, can go on (parked before a flush)
@@ -77,8 +77,10 @@ class _Run(object):
         self.failed = []        # samples whose fn raised, in the order they raised
         self.aborted = False
         self.hub = None         # the caller's greenlet, which switches between samples
+        self.current = None     # the sample running (the hub sets it at each switch)
         self.flush_error = None  # what the flush at a sample's read raised, if it did
         self.used = {}          # id -> (array with a gradient buffer, the samples using it)
+        self.seen = []          # (concrete argument, sample) of recorded calls, not yet in used
         self.blocks = {}        # id -> (flagged block, the samples calling it)
 
     def go(self):
@@ -140,15 +142,28 @@ class _Run(object):
         forget_mode()   # the graph's kept autograd state may be another sample's
 
     def resume(self, task):
-        """Run ``task`` (its start or a resume) until it parks or ends."""
+        """Run ``task`` (its start or a resume) until it parks or its greenlet
+        has no more samples to run."""
         self.graph.passthrough = 0
-        if task.glet is None:
-            self.running += 1
-            task.glet = _Sample(task, self.hub)
-            self.adopt((self.mode, self.device, self.np))
-        else:
-            self.adopt(task.state)
-        task.glet.switch()
+        try:
+            if task.glet is None:
+                glet = _Sample(self, self.hub)
+                self.start(task, glet)
+            else:
+                self.adopt(task.state)
+                self.current = task
+                glet = task.glet
+            glet.switch()
+        finally:
+            self.current = None
+
+    def start(self, task, glet):
+        """``task`` begins in greenlet ``glet`` under the caller's state."""
+        self.running += 1
+        task.glet = glet
+        glet.task = task
+        self.adopt((self.mode, self.device, self.np))
+        self.current = task
 
     def can_start(self):
         """A sample not started yet may start now (fewer than the cap run)."""
@@ -165,13 +180,24 @@ class _Run(object):
             return self.parked.pop()
         return None
 
-    def body(self):
-        """Run one sample (in its greenlet); it ends by switching to the hub."""
-        task = greenlet.getcurrent().task
+    def work(self):
+        """A greenlet's life: run its sample, then the next new ones while no
+        started sample is ready; it ends by switching to the hub."""
+        glet = greenlet.getcurrent()
+        while True:
+            self.body(glet.task)
+            glet.task = None
+            if self.ready or not self.can_start():
+                return
+            self.start(self.fresh.popleft(), glet)
+
+    def body(self, task):
+        """Run one sample, in the caller's context variables (decimal's
+        context, a request id), as the loop sees them; what it sets stays its own."""
         try:
             if self.aborted:
                 raise _Aborted()
-            task.result = self.fn(*task.item)
+            task.result = self.context.copy().run(self.fn, *task.item)
         except _Aborted:
             pass
         except BaseException as e:   # pylint: disable=broad-except
@@ -210,30 +236,12 @@ class _Run(object):
                 self.parked = []
 
     def note(self, arr, task):
-        """Sample ``task`` uses ``arr``, an array with a gradient buffer."""
+        """Sample ``task`` uses ``arr``, an array with a gradient buffer
+        (attached in it, or read by a call it recorded: ``record.note_sample``)."""
         entry = self.used.get(id(arr))
         if entry is None or entry[0] is not arr:
             entry = self.used[id(arr)] = (arr, set())
         entry[1].add(task.index)
-
-    def note_inputs(self, arrays):
-        """A call recorded by the running sample reads ``arrays``: note the
-        concrete ones with a gradient buffer (its inputs ``attach_grad``-ed)."""
-        task = _current()
-        if task is None:
-            return
-        for a in arrays:
-            if type(a) is NDArray and a.grad is not None:
-                self.note(a, task)
-
-    def note_block(self, block):
-        """The running sample calls flagged ``block``."""
-        task = _current()
-        if task is not None:
-            entry = self.blocks.get(id(block))
-            if entry is None or entry[0] is not block:
-                entry = self.blocks[id(block)] = (block, set())
-            entry[1].add(task.index)
 
     def check_step(self, task, params):
         """A trainer's step in sample ``task`` over ``params``: refused where
@@ -257,6 +265,10 @@ class _Run(object):
     def others(self, task):
         """Copies of the gradient buffers of the arrays that only other samples
         use: ``[(buffer, copy)]``."""
+        for a, t in self.seen:
+            if a.grad is not None:
+                self.note(a, t)
+        self.seen = []
         kept = []
         with autograd.pause():
             for arr, users in self.used.values():
@@ -297,7 +309,7 @@ def keeping_others(heads, backward):
     The heads are computed first (the sample may park there, while the
     others run their own backwards), then the buffers copied."""
     task = _current()
-    if task is None or not task.run.used:
+    if task is None or not (task.run.used or task.run.seen):
         return backward()
     for h in heads:
         if isinstance(h, NDArray):

@@ -86,6 +86,24 @@ def _note_reads(g, args):
             reads[id(a)] = a
 
 
+def note_sample(run, block, args):
+    """In a sample of ``jitbatch.map`` (``run``: its ``interleave._Run``): the
+    flagged ``block`` it calls (None: an operator) and its concrete arguments
+    (among them ``attach_grad``-ed inputs), for what a step and a backward in
+    a sample must know of the other samples."""
+    task = run.current
+    if task is None:
+        return
+    if block is not None:
+        entry = run.blocks.get(id(block))
+        if entry is None or entry[0] is not block:
+            entry = run.blocks[id(block)] = (block, set())
+        entry[1].add(task.index)
+    for a in args:
+        if type(a) is NDArray:      # (whether it has a gradient buffer: asked when needed)
+            run.seen.append((a, task))
+
+
 # -- blocks ---------------------------------------------------------------------------
 def record_block(block, g, x, args, frame):
     """Record ``block(x, *args)`` in the thread's graph ``g`` (``frame``: the
@@ -108,9 +126,8 @@ def record_block(block, g, x, args, frame):
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)
     _note_reads(g, flat)
-    if gr.sharing is not None:      # a sample of jitbatch.map: its inputs with gradients
-        gr.sharing.note_inputs(flat)
-        gr.sharing.note_block(block)
+    if gr.sharing is not None:      # a sample of jitbatch.map: what it calls and reads
+        note_sample(gr.sharing, block, flat)
     gr.reads[id(block)] = block     # a pending call keeps its block alive
     si: SigInfo = info
     out_meta = si.out_meta
@@ -250,7 +267,7 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
         _begin(g, None, mode_)
     _note_reads(g, ndargs)
     if gr.sharing is not None:
-        gr.sharing.note_inputs(ndargs)
+        note_sample(gr.sharing, None, ndargs)
     node = gr.add(info, tuple(ndargs), site(), mode_)
     if info.op.lift is not None:    # its scalar is the node's, not the signature's
         node.lifted = vals[0]
