@@ -234,6 +234,17 @@ class _Run(object):
             finally:
                 self.ready.extend(self.parked)
                 self.parked = []
+            if self.ready:
+                # the samples that parked before this one go on first, in the
+                # order they parked, as the loop runs them: what they do at this
+                # read point (a backward's gradient writes, reads of a buffer
+                # they add to) happens in their order, this sample's last
+                self.ready.append(task)
+                task.state = (_mxapi.autograd_state(), _mxapi.default_device(),
+                              _mxapi.np_state())
+                self.hub.switch()
+                if self.aborted:
+                    raise _Aborted()
 
     def note(self, arr, task):
         """Sample ``task`` uses ``arr``, an array with a gradient buffer
