@@ -16,7 +16,7 @@ from ..errors import BatchingError, first_line
 from ..graph import Graph, Node, current_graph
 from . import _mxapi, history
 from .executors import BlockExec
-from .interleave import check_step, in_sample, keeping_others
+from .interleave import check_step, in_sample, keeping_others, note_attached
 from .lazy import LazyArray, NotDifferentiableError, node_of
 from .writes import before_write, refuse_if_read_elsewhere, run_parked
 
@@ -145,7 +145,9 @@ def make_attach_grad(orig):
     """``NDArray.attach_grad``: the pending calls that read the array run first.
     Per sample they ran while it had no gradient buffer (or its old one), so
     autograd wired them to that; run later, they were wired to the new buffer
-    (a gradient counted through calls recorded before the array asked for one)."""
+    (a gradient counted through calls recorded before the array asked for one).
+    In a sample of ``jitbatch.map`` the array is noted as that sample's
+    (``interleave.note_attached``: a backward in another sample keeps its gradient)."""
     @wraps(orig)
     def attach_grad(self, *args, **kwargs):
         g: Graph = current_graph()
@@ -153,7 +155,9 @@ def make_attach_grad(orig):
         # the array's producer, in a loop that attaches a gradient per sample)
         if g.nodes and g.reads.get(id(self)) is self:
             before_write(self)
-        return orig(self, *args, **kwargs)
+        res = orig(self, *args, **kwargs)
+        note_attached(self)
+        return res
     return attach_grad
 
 

@@ -26,7 +26,7 @@ from ..graph import current_graph
 from . import _mxapi
 from .modes import forget_mode
 
-__all__ = ["map_samples", "in_sample", "keeping_others", "noting_attach", "check_step"]
+__all__ = ["map_samples", "in_sample", "keeping_others", "note_attached", "check_step"]
 
 
 class _Aborted(BaseException):
@@ -215,11 +215,7 @@ class _Run(object):
         if task is None or task.run is not self:
             return      # the caller itself, or a sample of another map
         while node.batch is None and (self.ready or self.can_start()):
-            self.parked.append(task)
-            task.state = (_mxapi.autograd_state(), _mxapi.default_device(), _mxapi.np_state())
-            self.hub.switch()
-            if self.aborted:
-                raise _Aborted()
+            self.park(task, self.parked)
         if node.batch is None:
             try:
                 execute.run_graph(self.graph, forced=True, reason="read")
@@ -239,12 +235,16 @@ class _Run(object):
                 # order they parked, as the loop runs them: what they do at this
                 # read point (a backward's gradient writes, reads of a buffer
                 # they add to) happens in their order, this sample's last
-                self.ready.append(task)
-                task.state = (_mxapi.autograd_state(), _mxapi.default_device(),
-                              _mxapi.np_state())
-                self.hub.switch()
-                if self.aborted:
-                    raise _Aborted()
+                self.park(task, self.ready)
+
+    def park(self, task, queue):
+        """Sample ``task`` waits in ``queue`` (parked or ready), its autograd,
+        device and NumPy states kept, until the hub resumes it."""
+        queue.append(task)
+        task.state = (_mxapi.autograd_state(), _mxapi.default_device(), _mxapi.np_state())
+        self.hub.switch()
+        if self.aborted:
+            raise _Aborted()
 
     def note(self, arr, task):
         """Sample ``task`` uses ``arr``, an array with a gradient buffer
@@ -290,16 +290,12 @@ class _Run(object):
         return kept
 
 
-def noting_attach(orig):
-    """``NDArray.attach_grad``: inside a sample, the array is the sample's."""
-    def attach_grad(self, *args, **kwargs):
-        res = orig(self, *args, **kwargs)
-        task = _current()
-        if task is not None:
-            task.run.note(self, task)
-        return res
-    attach_grad.__doc__ = orig.__doc__
-    return attach_grad
+def note_attached(arr):
+    """``arr.attach_grad()`` ran (``guards.make_attach_grad``): inside a
+    sample, the array is the sample's."""
+    task = _current()
+    if task is not None:
+        task.run.note(arr, task)
 
 
 def check_step(params):

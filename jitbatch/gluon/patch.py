@@ -40,7 +40,7 @@ from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
-from .interleave import in_sample, noting_attach
+from .interleave import in_sample
 from .lazy import LazyArray, detach
 from .modes import drops_mode, forget_mode
 from .record import (FILLS, ROWS_OPS, record_block, record_const, record_copy, record_filled,
@@ -500,7 +500,6 @@ def install():
     _set(register, "_imperative_invoke", _invoke)
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", setitem)
-    _set(NDArray, "attach_grad", noting_attach(NDArray.attach_grad))
     _set(NDArray, "copyto", _copyto)
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", guards.make_initialize(Parameter.initialize))
