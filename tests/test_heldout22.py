@@ -776,7 +776,7 @@ def _many_models_served_by_a_pool():
             errors.append("%s: %s" % (type(e).__name__, e))
     threading.settrace(tracer)
     t0 = time.time()
-    while not errors and time.time() - t0 < 10:
+    while not errors and time.time() - t0 < 4:   # the tracer makes it fail in the first wave
         threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
         for t in threads:
             t.start()

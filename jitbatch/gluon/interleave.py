@@ -217,25 +217,32 @@ class _Run(object):
         while node.batch is None and (self.ready or self.can_start()):
             self.park(task, self.parked)
         if node.batch is None:
-            try:
-                execute.run_graph(self.graph, forced=True, reason="read")
-                if self.parked:
-                    # every waiting sample reads what this flush computes: an
-                    # operator failing as it runs (a take out of range) is
-                    # raised here, the flush's, not at one of their reads
-                    _mxapi.waitall()
-            except BaseException as e:
-                self.flush_error = e
-                raise
-            finally:
-                self.ready.extend(self.parked)
-                self.parked = []
+            self.run_here("read", forced=True)
             if self.ready:
                 # the samples that parked before this one go on first, in the
                 # order they parked, as the loop runs them: what they do at this
                 # read point (a backward's gradient writes, reads of a buffer
                 # they add to) happens in their order, this sample's last
                 self.park(task, self.ready)
+
+    def run_here(self, reason, forced=False):
+        """Run the graph in this sample for every parked one, without parking
+        (at a read; before a change that must end before another sample goes
+        on, a deferred initialization). The parked samples go on next, in
+        their order."""
+        try:
+            execute.run_graph(self.graph, forced=forced, reason=reason)
+            if self.parked:
+                # every parked sample reads what this flush computes: an operator
+                # failing as it runs (a take out of range) is raised here, the
+                # flush's, not at one of their reads
+                _mxapi.waitall()
+        except BaseException as e:
+            self.flush_error = e
+            raise
+        finally:
+            self.ready.extend(self.parked)
+            self.parked = []
 
     def park(self, task, queue):
         """Sample ``task`` waits in ``queue`` (parked or ready), its autograd,

@@ -27,8 +27,9 @@ from mxnet import autograd
 from mxnet.base import MXNetError
 from mxnet.gluon.block import _flatten
 
-from .. import config as _config
+from .. import config as _config, execute
 from ..errors import BatchingError, ContractWarning, first_line
+from ..graph import current_graph
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
@@ -262,6 +263,15 @@ def _finish_deferred(block, args, out):
                if p._deferred_init]  # pylint: disable=protected-access
     if not waiting:
         return
+    g = current_graph()
+    if g.nodes and not g.executing:
+        # the initializers' writes would run the pending calls first anyway;
+        # under jitbatch.map a park inside the initialization let the next
+        # sample trace this block with its parameters half made
+        if g.sharing is not None:
+            g.sharing.run_here("write")
+        else:
+            execute.run_graph(g, reason="write")
     block._deferred_infer_shape(*args)  # pylint: disable=protected-access
     order = {name: i for i, name in enumerate(out.list_inputs())}
     waiting.sort(key=lambda p: order.get(p.name, len(order)))
