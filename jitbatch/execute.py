@@ -54,18 +54,21 @@ class Backend(object):
         return None
 
 
-def run_graph(graph, forced=False, reason="flush"):
-    """Run every pending node of ``graph`` under the flags it was recorded with."""
+def run_graph(graph, forced=False, reason="flush", first=None):
+    """Run every pending node of ``graph`` under the flags it was recorded with
+    (``first``: see :func:`flush`)."""
     flush(graph, graph.backend, graph.policy or "auto", graph.budget, forced, reason,
-          graph.granularity or "auto")
+          graph.granularity or "auto", first)
 
 
 def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flush",
-          granularity="auto"):
+          granularity="auto", first=None):
     """Run every pending node of ``graph`` through ``backend``. ``granularity``:
     'block' (a call is one node), 'split' (calls whose block has an input stage
     run it as a node of its own) or 'auto' (the cost model decides per
-    signature, under policy 'auto')."""
+    signature, under policy 'auto'). ``first``: ids of pending nodes (with
+    every node they read) that run as a flush of their own, before the rest,
+    so that no launch mixes them with the others."""
     if graph.executing or not graph.nodes:
         return
     limit = graph.limit       # the graph's chunk size, if pipelined (take resets it)
@@ -75,8 +78,15 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     if collecting:
         gcdefer.pause()
     try:
-        _flush(graph, nodes, backend, policy, budget, forced, reason, granularity,
-               limit if limit < config.max_pending else None)
+        chunk_size = limit if limit < config.max_pending else None
+        if first is None:
+            _flush(graph, nodes, backend, policy, budget, forced, reason, granularity,
+                   chunk_size)
+        else:
+            for part in _apart(nodes, first):
+                if part:
+                    _flush(graph, part, backend, policy, budget, forced, reason,
+                           granularity, chunk_size)
     finally:
         if collecting:
             gcdefer.resume()
@@ -84,6 +94,25 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
     chunk = reason in _CHUNKS
     graph.retire(nodes, release=forced or chunk, ends_graph=not chunk)
     del held
+
+
+def _apart(nodes, first):
+    """``nodes`` as the two flushes ``first`` asks for: the nodes whose ids are
+    in ``first``, then the others; the others stop waiting for (and being
+    users of) the first ones, which will have run."""
+    ahead, rest = [], []
+    for n in nodes:
+        (ahead if id(n) in first else rest).append(n)
+    for n in ahead:
+        if n.users:
+            keep = []
+            for u in n.users:
+                if id(u) in first:
+                    keep.append(u)
+                else:
+                    u.wait -= 1
+            n.users = keep or None
+    return ahead, rest
 
 
 #: flush reasons that cut a graph whose recording goes on (pipelined chunks, max_pending)

@@ -16,8 +16,11 @@ The oracle is plain per-sample Gluon (no hybridize): outputs, parameter
 gradients, input gradients, and whether they are finite, under the policies
 auto, depth, agenda and sequential. Findings are strict expected failures:
 
-* a sample recorded but left out of the loss (NaN input, or a finite one whose
-  log-probability underflows) makes merged weight gradients NaN (0 * NaN/inf);
+* (fixed 2026-11-27) a sample recorded but left out of the loss (NaN input,
+  or a finite one whose log-probability underflows) made merged weight
+  gradients NaN (0 * NaN/inf): the calls a backward reaches now run apart
+  from the others (``history.run_apart``), so the left-out sample is in no
+  launch the backward goes through;
 * filler samples (copies of an inf first sample) turn an inf gradient into NaN;
 * zero_pad: masked blocks exact forward (length-masked cosine, a sum of
   norms, a -inf mask with padded rows zeroed) get NaN gradients from the
@@ -25,8 +28,8 @@ auto, depth, agenda and sequential. Findings are strict expected failures:
 * (fixed) linalg potrf/potri/inverse on a lazy SPD matrix failed: their
   shape-learning trial run on zeros (a singular matrix) raised LAPACK's error.
 
-The first three are kept as documented differences (docs/errors.rst, Known
-differences): IEEE arithmetic of merged launches and padding rows.
+The second and third are kept as documented differences (docs/errors.rst,
+Known differences): IEEE arithmetic of merged launches and padding rows.
 """
 import warnings
 
@@ -108,12 +111,11 @@ def rows(seed, n, width=4, dtype="float32", scale=1.0):
 # --------------------------------------------------------------------------
 
 @MERGING
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: NaN leak across samples: a sample whose input is NaN, recorded but left out "
-    "of the summed loss, is merged into the launch of the samples that are in it; its "
-    "head gradient is 0 and 0 * NaN = NaN reaches the weight gradient (dW = dY^T X); "
-    "plain per-sample Gluon never runs its backward: finite gradients"))
 def test_a_nan_sample_left_out_of_the_loss_keeps_parameter_gradients_finite(policy):
+    """Until 2026-11-27 a NaN leak across samples: the sample left out of the
+    summed loss was merged into the launch of the samples in it; its head
+    gradient 0 times NaN reached the weight gradient. Now it runs apart from
+    the calls the backward reaches (``history.run_apart``)."""
     xs = rows(0, 4)
     xs[0] = nd.array([[np.nan, 1, 2, 3]])
     (wo, wg, wx), _ = run_rows(dense(), None, xs, keep={1, 2, 3})
@@ -138,13 +140,11 @@ class LogProb(HybridBlock):
 
 
 @MERGING
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: NaN leak across samples: semi-supervised step, every sample's "
-    "log-probability recorded, the loss over the labelled ones only; an unlabelled "
-    "sample with FINITE input whose probability underflows to 0 (log = -inf, derivative "
-    "inf) is in the merged launch with head gradient 0: 0 * inf = NaN in the weight "
-    "gradient; per sample its backward never runs: finite"))
 def test_an_unlabelled_sample_whose_probability_underflows(policy):
+    """Semi-supervised step, every sample's log-probability recorded, the loss
+    over the labelled ones only; an unlabelled sample whose probability
+    underflows (log -inf). Until 2026-11-27 it shared the merged launch, with
+    head gradient 0: 0 * inf = NaN in the weight gradient (fixed alike)."""
     def make():
         mx.random.seed(0)
         net = LogProb()

@@ -89,8 +89,12 @@ Findings (strict expected failures; docs/errors.rst, Known differences):
   'auto', 'depth' and 'agenda' ('sequential' is right). Alone in the loss
   the same case is the documented NotDifferentiableError; with
   ``retain_graph=True`` on the first backward it is right. Since
-  2026-11-26 its use in the next recording is that NotDifferentiableError
-  (``gluon/history.py``), no longer silent.
+  2026-11-26 its use in the next recording was that NotDifferentiableError
+  (``gluon/history.py``), no longer silent. Fixed 2026-11-27: the calls a
+  backward reaches run as a flush of their own, the others after it
+  (``history.run_apart``), so the left-out states keep their own launch and
+  record, and the next minibatch's backward reaches the encoder through
+  them, as per sample.
 * A flagged ``Block`` (a recursive tree encoder with a memo) whose forward
   raises after nested calls completed and memoized subtree states: the
   failed call's nodes are dropped (``patch._call`` ->
@@ -437,21 +441,7 @@ def test_word_state_cache_trained(policy, cache):
         assert merged(st), st
 
 
-_UNREACHED = ("a state recorded in one minibatch and left out of its loss (an unlabelled "
-              "sample) keeps its own graph per sample; merged, the first backward() "
-              "(retain_graph=False) frees the launch it shares with the reached samples: "
-              "until 2026-11-26 it was silently a constant in the next minibatch (its gradient "
-              "lost); now its use there is a NotDifferentiableError naming the fix "
-              "(retain_graph=True), docs/errors.rst, Known differences")
-
-
-def _unreached(policy):
-    return pytest.param(policy, marks=pytest.mark.xfail(
-        strict=True, raises=jitbatch.BatchingError, reason=_UNREACHED))
-
-
-@pytest.mark.parametrize("policy", [_unreached("auto"), _unreached("depth"),
-                                    _unreached("agenda"), "sequential"])
+@POLICY
 def test_word_states_cached_from_an_unlabelled_sentence(policy):
     """Semi-supervised: every sentence of a minibatch is encoded through the
     kept word cache (its prediction logged), only the labelled ones are in
@@ -459,9 +449,11 @@ def test_word_states_cached_from_an_unlabelled_sentence(policy):
     into the cache; in plain Gluon their states keep their own recorded
     graph (nothing of it was freed: no backward reached it), so minibatch
     2's backward reaches the word encoder through them, with minibatch 1's
-    inputs. Merged, their rows are in the launch of the labelled sentences'
-    words, which minibatch 1's backward freed: silently constants, the
-    encoder's gradient in minibatch 2 misses their part."""
+    inputs. Merged, their rows were in the launch of the labelled sentences'
+    words, which minibatch 1's backward freed: silently constants until
+    2026-11-26, a NotDifferentiableError until 2026-11-27; now the calls
+    minibatch 1's backward reaches run apart from the unlabelled sentence's
+    (``history.run_apart``)."""
     batches = [([[1, 2, 3], [3, 4]], [[11, 0, 11]]), ([[0, 2, 5], [11, 4, 1]], [])]
 
     def program(nets, p):
@@ -518,11 +510,11 @@ def test_unlabelled_sentences_cached_with_retain_graph(policy):
 def test_outputs_left_out_of_one_loss_are_the_next_minibatchs_loss(policy):
     """Predictions of four samples recorded; minibatch 1's loss takes two,
     the next ``record``'s loss the other two (kept in a list): plain Gluon
-    differentiates them through their own graphs. Merged (they share
-    minibatch 1's launch, freed by its backward) the documented refusal,
-    a NotDifferentiableError whose fix (``retain_graph=True`` on the first
-    backward) then gives plain Gluon's gradients; the next minibatch runs
-    as plain Gluon's."""
+    differentiates them through their own graphs. Until 2026-11-27 merged
+    they shared minibatch 1's launch, freed by its backward: a
+    NotDifferentiableError naming ``retain_graph=True``. Now the two pairs
+    run in launches of their own (``history.run_apart``): plain Gluon's
+    gradients with and without ``retain_graph``, and the next minibatch's."""
     xs = [nd.array(r) for r in rng_for("round40/leftout").normal(size=(6, 1, F))]
 
     def program(net, p, retain):
@@ -552,14 +544,9 @@ def test_outputs_left_out_of_one_loss_are_the_next_minibatchs_loss(policy):
     net = make()
     try:
         got, err = program(net, policy, False)
-        if policy in MERGING:
-            assert isinstance(err, jitbatch.BatchingError) and isinstance(err, MXNetError), err
-            assert "retain_graph=True" in str(err) and "freed" in str(err), err
-        elif err is None:       # one launch per call ('sequential'; 'auto' where it picks so)
-            same(want, got, "left-out outputs under %s" % policy)
-        else:
-            assert "retain_graph=True" in str(err), err
-        # the fix it names, and the next minibatch
+        assert err is None, err
+        same(want, got, "left-out outputs under %s" % policy)
+        # with retain_graph, and the next minibatch
         want, _ = program(make(), None, True)
         got, err = program(net, policy, True)
         assert err is None, err
@@ -1089,16 +1076,15 @@ def test_bad_samples_after_the_word_cache_was_filled(policy, escape):
     same(want, got, "bad samples (%s) under %s" % (escape, policy))
 
 
-@pytest.mark.parametrize("policy", [_unreached("auto"), _unreached("depth"),
-                                    _unreached("agenda"), "sequential"])
+@POLICY
 def test_words_cached_by_a_skipped_sentence_used_by_the_next_minibatch(policy):
     """As above (skipped per sample), but the bad sentence ``jk?`` brings the
     new words ``j`` and ``k`` into the cache before its KeyError, and no
     good sentence of that minibatch uses them: in plain Gluon their states
     keep their graph and minibatch 2's backward reaches the encoder through
     them. Merged with the good sentences' words in minibatch 1's launch,
-    freed by its backward: silently constants (the same defect as the
-    unlabelled sentence)."""
+    freed by its backward, they were constants (the same defect as the
+    unlabelled sentence, fixed 2026-11-27 alike)."""
     def program(nets, p):
         enc, cell, head = nets
         flag_all(nets, p)
@@ -1352,15 +1338,16 @@ def test_python_protocols_on_lazy_scores(policy):
 
 
 @pytest.mark.parametrize("policy", MERGING)
-def test_a_state_left_out_of_the_loss_is_refused_in_the_next_recording_with_its_fix(policy):
+def test_a_state_left_out_of_the_loss_is_used_in_the_next_recording(policy):
     """The word cache of ``test_word_states_cached_from_an_unlabelled_sentence``
-    written small: four outputs of one merged launch, two in minibatch 1's
-    loss, the other two kept and used beside a new call in minibatch 2.
-    Until 2026-11-26 their share of the gradient was silently lost; now the
-    backward reaching them is a NotDifferentiableError naming
-    retain_graph=True, the fix gives plain Gluon's gradients, and outputs
-    read but left out of the loss in the minibatch that made them (metrics)
-    are no refusal (``jitbatch.flush``)."""
+    written small: four outputs of four calls, two in minibatch 1's loss,
+    the other two kept and used beside a new call in minibatch 2. Until
+    2026-11-26 their share of the gradient was silently lost; until
+    2026-11-27 the backward reaching them was a NotDifferentiableError
+    naming retain_graph=True. Now the first backward's calls run apart from
+    the kept ones (``history.run_apart``): plain Gluon's gradients with and
+    without retain_graph, and outputs read but left out of the loss in the
+    minibatch that made them (metrics) run."""
     xs = [nd.array(r) for r in rng_for("round40/refused").normal(size=(5, 1, F))]
     make = lambda: init(nn.Dense(3, in_units=F, prefix="refd_"), 8)  # noqa: E731
 
@@ -1377,11 +1364,8 @@ def test_a_state_left_out_of_the_loss_is_refused_in_the_next_recording_with_its_
     want = program(make(), False)
     net = make()
     flag(net, policy)
-    err = error_of(lambda: program(net, False))
-    assert isinstance(err, jitbatch.BatchingError), err
-    assert "retain_graph=True" in str(err) and "left it out of its loss" in str(err), err
-    jitbatch.flush()        # the refused minibatch's calls (refused before its backward)
-    same(want, program(net, True), "with the fix under %s" % policy)
+    same(want, program(net, False), "without retain_graph under %s" % policy)
+    same(want, program(net, True), "with retain_graph under %s" % policy)
     with autograd.record():             # outputs read for a metric, not in the loss
         ys = [net(x) for x in xs[:4]]
         loss = nd.add_n(*[nd.sum(y * y) for y in ys[:2]])

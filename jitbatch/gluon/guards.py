@@ -72,6 +72,7 @@ def make_backward(orig, heads_of):
         before_backward(heads)
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
         watched = None if retain else history.watch(heads)
+        history.run_apart(heads, watched, not retain)
         try:
             res = keeping_others(heads, lambda: orig(*args, **kwargs))
         except MXNetError as e:

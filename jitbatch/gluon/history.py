@@ -1,21 +1,28 @@
-"""Outputs left out of a backward that freed their merged launch's record.
+"""Backwards that reach only some of the pending calls.
 
-Per sample, an output recorded under autograd but left out of a loss keeps
-its recorded graph (no backward reached it), and a later recording that uses
-it (a cache of word states, an unlabelled sentence's) differentiates through
-it. Merged, its rows share a launch with the samples that loss reached, and
-that ``backward()`` (``retain_graph=False``) freed the launch's record: MXNet
-would take the output as a constant, its share of the gradient silently
-lost. So a backward without ``retain_graph`` notes which pending calls its
-heads reach (``watch``, before the flush that runs them), and after it marks
-the others of the launches it reached (``graph.sever``) where the launch is
-a block's with a trained parameter (one over constants only, a frozen block's,
-has no record per sample either). A later backward that reaches a marked
-output through a call passing it gradient is refused (``refuse``); through
+Per sample, a backward reaches only the calls its loss was computed from;
+another loss's calls keep their recorded graphs and gradient buffers. Merged
+into one launch with calls the backward reaches, their rows would take its
+gradient (0): a second per-task backward would write zeros into the first
+task's head gradients (``grad_req='write'``), and would find their records
+freed. So the pending calls a backward's heads reach run as a flush of their
+own, the others in a flush after it (``run_apart``): no launch mixes them.
+
+Under ``jitbatch.map`` the flush serves every sample, and samples share
+launches: an output left out of one sample's loss keeps its rows in a launch
+that loss's ``backward()`` (``retain_graph=False``) freed, and MXNet would
+take it as a constant, its share of the gradient silently lost. So a
+backward without ``retain_graph`` notes which pending calls its heads reach
+(``watch``, before the flush that runs them), and after it marks the others
+of the launches it reached (``graph.sever``) where the launch is a block's
+with a trained parameter (one over constants only, a frozen block's, has no
+record per sample either). A later backward that reaches a marked output
+through a call passing it gradient is refused (``refuse``); through
 ``detach``, ``BlockGrad``, ``argmax`` or a comparison it is a constant anyway.
 Not followed: calls computed by an earlier flush (a read, a pipelined chunk),
 which have let go of their inputs, and values made from a marked output by
 a reshape or a concatenation (views and row composites of concrete rows)."""
+from .. import execute
 from ..errors import first_line
 from ..graph import Node, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
@@ -33,12 +40,7 @@ def watch(heads):
     pending = g.nodes
     if not pending:
         return None
-    starts = []
-    for h in heads:
-        if type(h) is LazyArray:
-            n = node_of(h)
-            if type(n) is Node and n.batch is None:
-                starts.append(n)
+    starts = _pending_heads(heads)
     if not starts:
         return None
     marked = _MARKED[0] > 0
@@ -54,6 +56,41 @@ def watch(heads):
     if len(reached) == len(pending):
         return None
     return list(pending), reached
+
+
+def run_apart(heads, watched, looked):
+    """Before a backward from ``heads``: the pending calls it reaches run apart
+    from the others (``watched``: what :func:`watch` found, where it
+    ``looked``; None there: the heads reach every pending call, or none is).
+    Merged with them, the others' rows would take this backward's gradient,
+    0, into what per sample it never reaches: a loss's backward would write
+    zeros into the gradients of another loss's head (``grad_req='write'``)
+    that a backward before it wrote. Not under ``jitbatch.map``, whose flush
+    serves every sample."""
+    g = current_graph()
+    if not g.nodes or g.executing or g.sharing is not None:
+        return
+    if watched is not None:
+        reached = watched[1]
+    elif looked:
+        return
+    else:
+        starts = _pending_heads(heads)
+        if not starts or only_sinks(g.nodes, {id(n) for n in starts}):
+            return
+        reached = reached_from(starts, False)[0]
+    if len(reached) < len(g.nodes):
+        execute.run_graph(g, forced=True, reason="backward", first=reached)
+
+
+def _pending_heads(heads):
+    starts = []
+    for h in heads:
+        if type(h) is LazyArray:
+            n = node_of(h)
+            if type(n) is Node and n.batch is None:
+                starts.append(n)
+    return starts
 
 
 def after(watched):
