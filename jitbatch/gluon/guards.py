@@ -69,10 +69,10 @@ def make_backward(orig, heads_of):
     @wraps(orig)
     def backward(*args, **kwargs):
         heads = heads_of(args, kwargs)
-        before_backward(heads)
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
         watched = None if retain else history.watch(heads)
         history.run_apart(heads, watched, not retain)
+        before_backward(heads)
         try:
             res = keeping_others(heads, lambda: orig(*args, **kwargs))
         except MXNetError as e:
@@ -315,6 +315,8 @@ def make_grad(orig):
         if create_graph:      # the heads' blocks, while their nodes are pending
             names = _blocks_behind(listed)
             _run_unmerged(current_graph())
+        else:
+            history.run_apart(listed, None, False)
         before_backward(listed)
         try:
             return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)

@@ -24,7 +24,7 @@ which have let go of their inputs, and values made from a marked output by
 a reshape or a concatenation (views and row composites of concrete rows)."""
 from .. import execute
 from ..errors import first_line
-from ..graph import Node, current_graph, only_sinks, reached_from, sever
+from ..graph import Composite, Node, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
 from .lazy import LazyArray, NotDifferentiableError, node_of
 
@@ -84,12 +84,17 @@ def run_apart(heads, watched, looked):
 
 
 def _pending_heads(heads):
+    """The pending nodes that ``heads`` are outputs of (or, for a head made of
+    other rows, ``nd.concat`` of per-sample losses, the nodes behind it)."""
     starts = []
     for h in heads:
         if type(h) is LazyArray:
             n = node_of(h)
-            if type(n) is Node and n.batch is None:
-                starts.append(n)
+            if type(n) is Node:
+                if n.batch is None:
+                    starts.append(n)
+            elif type(n) is Composite:
+                starts.extend(p for p in n.nodes if p.batch is None)
     return starts
 
 

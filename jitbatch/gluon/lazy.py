@@ -181,15 +181,16 @@ class LazyArray(NDArray, Ref):
         NDArray.__setitem__(self, key, value)
 
     def backward(self, out_grad=None, retain_graph=False, train_mode=True):
-        """``NDArray.backward``; MXNet's 'not in a computational graph' said in
-        jitbatch's terms. A sample of ``jitbatch.map`` keeps the graph: its
+        """``NDArray.backward``; MXNet's 'not in a computational graph' (or 'no
+        inputs ... that require gradients') said in jitbatch's terms. A sample of ``jitbatch.map`` keeps the graph: its
         launches are shared with the other samples, whose backward() comes next."""
         if not retain_graph and in_sample():
             retain_graph = True
         try:
             return NDArray.backward(self, out_grad, retain_graph, train_mode)
         except MXNetError as e:
-            if "not in a computational graph" not in str(e):
+            if "not in a computational graph" not in str(e) and \
+                    "no inputs in computation graph that require gradients" not in str(e):
                 raise
             raise NotDifferentiableError(
                 "backward() of this array: MXNet cannot differentiate it, as the launches "
