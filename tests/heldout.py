@@ -156,6 +156,18 @@ def same_arrays(want, got, what):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg="%s %d" % (what, i))
 
 
+def check_against_plain(make, program, policy, merges=True):
+    """``program`` under ``policy`` gives plain Gluon's numbers (``both``), and
+    where ``merges``, under the policies that plan launches from the graph
+    alone (depth, agenda), some launch ran several calls; the flagged run's
+    stats."""
+    want, got, st = both(make, program, policy)
+    same_values(want, got, policy)
+    if merges and policy in ("depth", "agenda"):
+        assert merged(st), st
+    return st
+
+
 def error_of(fn):
     """The exception ``fn()`` raises (None if it returns)."""
     try:
@@ -220,8 +232,9 @@ def ragged(key, count=5, width=3, hi=3):
 
 
 def flag_all(blocks, policy):
-    """Every block of ``blocks`` flagged with ``policy`` (None: plain)."""
-    for b in blocks:
+    """Every block of ``blocks`` (a list or tuple, or one block) flagged with
+    ``policy`` (None: plain)."""
+    for b in (blocks if isinstance(blocks, (list, tuple)) else [blocks]):
         flag(b, policy)
 
 

@@ -56,46 +56,19 @@ import warnings
 
 import numpy as np
 import pytest
-import mxnet as mx
 from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
 import jitbatch
 from oracle import cleanup
-from heldout import (both, flag, merged, nothing_pending,  # noqa: F401
+from heldout import (flag, nothing_pending,  # noqa: F401
                      rng_for, same_values as same)
+from heldout import check_against_plain as check
+from heldout import grads_of as pgrads, initialized as init, params_of as pvals
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
 MERGING = ["depth", "agenda"]
-
-
-def flag_all(nets, policy):
-    for n in (nets if isinstance(nets, (list, tuple)) else [nets]):
-        flag(n, policy)
-
-
-def pgrads(*nets):
-    return [p.grad().asnumpy().copy() for net in nets for p in net.collect_params().values()
-            if p.grad_req != "null"]
-
-
-def pvals(*nets):
-    return [p.data().asnumpy().copy() for net in nets for p in net.collect_params().values()]
-
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
-
-
-def check(make, program, policy, merges=True):
-    want, got, st = both(make, program, policy)
-    same(want, got, policy)
-    if merges and policy in MERGING:
-        assert merged(st), st
-    return st
 
 
 # --------------------------------------------------------------------------

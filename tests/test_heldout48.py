@@ -89,8 +89,10 @@ from mxnet.gluon import nn
 
 import jitbatch
 from oracle import cleanup
-from heldout import (both, flag, merged, nothing_pending,  # noqa: F401
-                     rng_for, same_values as same)
+from heldout import (both, flag, flag_all, nothing_pending,  # noqa: F401
+                     params_dict, rng_for, same_values as same)
+from heldout import check_against_plain as check
+from heldout import grads_of as pgrads, initialized as init, params_of as pvals
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -101,43 +103,8 @@ HEADS = 2
 C = 3          # classes
 
 
-def flag_all(nets, policy):
-    for n in (nets if isinstance(nets, (list, tuple)) else [nets]):
-        flag(n, policy)
-
-
 def nets_of(nets):
     return list(nets) if isinstance(nets, (list, tuple)) else [nets]
-
-
-def pgrads(*nets):
-    return [p.grad().asnumpy().copy() for net in nets for p in net.collect_params().values()
-            if p.grad_req != "null"]
-
-
-def pvals(*nets):
-    return [p.data().asnumpy().copy() for net in nets for p in net.collect_params().values()]
-
-
-def init(net, seed=0):
-    mx.random.seed(seed)
-    net.initialize(mx.init.Uniform(0.5))
-    return net
-
-
-def params_dict(nets):
-    ps = gluon.ParameterDict()
-    for n in nets:
-        ps.update(n.collect_params())
-    return ps
-
-
-def check(make, program, policy, merges=True):
-    want, got, st = both(make, program, policy)
-    same(want, got, policy)
-    if merges and policy in MERGING:
-        assert merged(st), st
-    return st
 
 
 def sinusoid(S, dim=E):
@@ -444,7 +411,7 @@ def train(sample, n, steps=2, mapped=False, optimizer="sgd", lr=0.1, key="t"):
         nets = nets_of(nets)
         flag_all(nets, policy)
         rng = rng_for(key, n)
-        tr = gluon.Trainer(params_dict(nets), optimizer, {"learning_rate": lr})
+        tr = gluon.Trainer(params_dict(*nets), optimizer, {"learning_rate": lr})
         out = []
         for _ in range(steps):
             data = [sample(rng, k) for k in range(n)]
@@ -809,7 +776,7 @@ def reinforce(n=5, mapped=False, pick="outside", baseline="detach", optimizer="s
         nets = nets_of(nets)
         flag_all(nets, policy)
         pol = nets[0]
-        tr = gluon.Trainer(params_dict(nets), optimizer, {"learning_rate": 0.05})
+        tr = gluon.Trainer(params_dict(*nets), optimizer, {"learning_rate": 0.05})
         out = []
         for it in range(steps):
             def episode(k):

@@ -92,12 +92,13 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
 import jitbatch
-from heldout import (both, flag, merged, nothing_pending,  # noqa: F401
+from heldout import (both, flag, nothing_pending,  # noqa: F401
                      rng_for, same_values as same)
+from heldout import check_against_plain as check
+from heldout import grads_of as pgrads, params_of as pvals
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
-MERGING = ["depth", "agenda"]
 MAPPED = pytest.mark.parametrize("mapped", [False, True], ids=["loop", "map"])
 
 Sample = collections.namedtuple("Sample", "x c r w")
@@ -180,23 +181,6 @@ def samples(key, n=4, p_cls=0.6, p_reg=0.6, force=True):
 
 def batches(key, count=2, n=4, **kw):
     return [samples("%s/%d" % (key, k), n, **kw) for k in range(count)]
-
-
-def pgrads(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
-
-
-def pvals(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
-
-
-def check(make, program, policy, merges=True):
-    want, got, st = both(make, program, policy)
-    same(want, got, policy)
-    if merges and policy in MERGING:
-        assert merged(st), st
-    return st
 
 
 def per_sample(net, s, wc=1.0, wr=0.5, wrec=0.1, rec=True):

@@ -120,6 +120,7 @@ import jitbatch
 from jitbatch.gluon.lazy import NotDifferentiableError
 from heldout import (both, flag, merged, nothing_pending,  # noqa: F401
                      rng_for, same_values as same)
+from heldout import grads_of as pgrads, params_of as pvals
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -187,15 +188,6 @@ def data(key, n=4, rows=2):
                     nd.array(rng.integers(0, 3, size=(r,))),
                     nd.array(rng.normal(size=(r, 1)))))
     return out
-
-
-def pgrads(net):
-    return [p.grad().asnumpy().copy() for p in net.collect_params().values()
-            if p.grad_req != "null"]
-
-
-def pvals(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
 def task_losses(net, batch):

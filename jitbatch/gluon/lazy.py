@@ -182,8 +182,9 @@ class LazyArray(NDArray, Ref):
 
     def backward(self, out_grad=None, retain_graph=False, train_mode=True):
         """``NDArray.backward``; MXNet's 'not in a computational graph' (or 'no
-        inputs ... that require gradients') said in jitbatch's terms. A sample of ``jitbatch.map`` keeps the graph: its
-        launches are shared with the other samples, whose backward() comes next."""
+        inputs ... that require gradients') said in jitbatch's terms. A sample
+        of ``jitbatch.map`` keeps the graph: its launches are shared with the
+        other samples, whose backward() comes next."""
         if not retain_graph and in_sample():
             retain_graph = True
         try:
