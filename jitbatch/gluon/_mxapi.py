@@ -32,6 +32,14 @@ from mxnet.ndarray import register
 from mxnet.symbol import Symbol, var
 from mxnet.util import _NumpyArrayScope, is_np_shape, set_np_shape
 
+#: Held while jitbatch pushes operations that touch arrays other threads use too
+#: (a launch reads the parameters; a backward writes their gradients; a step writes
+#: them): MXNet's engine queues a pushed operation on its arrays one at a time, so
+#: two threads pushing at once can each get ahead on one of two shared arrays and
+#: wait for the other forever, every engine worker idle. Re-entrant: a backward of
+#: a pending head flushes inside it.
+PUSHING = threading.RLock()
+
 # -- originals, captured before jitbatch patches them ----------------------------------
 #: the entry point of every generated imperative operator (``mx.nd.*``)
 invoke = register._imperative_invoke  # pylint: disable=protected-access

@@ -14,11 +14,12 @@ class GluonBackend(Backend):
         gather.prepare(batches)
 
     def launch(self, batch):
-        if _mxapi.np_array_mode():   # recorded in legacy mode: flushed in it too
-            with _mxapi.legacy_np():
-                batch[0].info.op.launch(batch)
-            return
-        batch[0].info.op.launch(batch)
+        with _mxapi.PUSHING:
+            if _mxapi.np_array_mode():   # recorded in legacy mode: flushed in it too
+                with _mxapi.legacy_np():
+                    batch[0].info.op.launch(batch)
+                return
+            batch[0].info.op.launch(batch)
 
     def wait(self, batch):
         """Block until a launched batch's outputs are computed (MXNet runs

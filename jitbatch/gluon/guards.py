@@ -74,7 +74,7 @@ def make_backward(orig, heads_of):
         history.run_apart(heads, watched, not retain)
         before_backward(heads)
         try:
-            res = keeping_others(heads, lambda: orig(*args, **kwargs))
+            res = keeping_others(heads, lambda: _pushing(orig, args, kwargs))
         except MXNetError as e:
             if "any container is empty" not in str(e) or "AGInfo" not in str(e):
                 raise
@@ -82,6 +82,13 @@ def make_backward(orig, heads_of):
         history.after(watched)
         return res
     return backward
+
+
+def _pushing(orig, args, kwargs):
+    """MXNet's backward, under ``_mxapi.PUSHING`` (it writes gradient buffers
+    other threads' backwards write too)."""
+    with _mxapi.PUSHING:
+        return orig(*args, **kwargs)
 
 
 def before_backward(heads):
@@ -233,7 +240,8 @@ def make_trainer_update(orig):
                 for a in p._data or ():  # pylint: disable=protected-access
                     refuse_if_read_elsewhere(a, mine)
         run_pending("write")
-        return orig(self, *args, **kwargs)
+        with _mxapi.PUSHING:
+            return orig(self, *args, **kwargs)
     return update
 
 
@@ -319,7 +327,9 @@ def make_grad(orig):
             history.run_apart(listed, None, False)
         before_backward(listed)
         try:
-            return orig(heads, variables, head_grads, retain_graph, create_graph, train_mode)
+            with _mxapi.PUSHING:
+                return orig(heads, variables, head_grads, retain_graph, create_graph,
+                            train_mode)
         except MXNetError as e:
             if create_graph and "is non-differentiable" in str(e):
                 raise NotDifferentiableError(

@@ -53,6 +53,20 @@ class _Task(object):
         self.state = None   # its autograd, device and NumPy states while it is parked
 
 
+def _wait_for(nodes):
+    """Wait for the launches that computed ``nodes``: only this flush's, not
+    ``waitall``'s every pending operator of the process (other threads'
+    launches, whose failures would be raised here too)."""
+    seen = set()
+    for n in nodes:
+        outs = n.batch
+        if outs is not None and id(outs) not in seen:
+            seen.add(id(outs))
+            for a in outs:
+                if a is not None:
+                    a.wait_to_read()
+
+
 def _current():
     """The sample running now (None: not in a sample)."""
     return getattr(greenlet.getcurrent(), "task", None)
@@ -230,13 +244,13 @@ class _Run(object):
         (at a read; before a change that must end before another sample goes
         on, a deferred initialization). The parked samples go on next, in
         their order."""
+        nodes = self.graph.nodes[:] if self.parked else ()
         try:
             execute.run_graph(self.graph, forced=forced, reason=reason)
-            if self.parked:
-                # every parked sample reads what this flush computes: an operator
-                # failing as it runs (a take out of range) is raised here, the
-                # flush's, not at one of their reads
-                _mxapi.waitall()
+            # every parked sample reads what this flush computes: an operator
+            # failing as it runs (a take out of range) is raised here, the
+            # flush's, not at one of their reads
+            _wait_for(nodes)
         except BaseException as e:
             self.flush_error = e
             raise
