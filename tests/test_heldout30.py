@@ -1274,3 +1274,22 @@ def test_a_long_lived_dlpack_alias_written_while_calls_read_its_source(policy):
     want, got, _ = both(lambda: init(nn.Dense(H, in_units=3, activation="tanh")), program,
                         policy)
     same(want, got, "a long-lived alias under %s" % policy)
+
+
+def test_a_dlpack_alias_written_while_an_operator_run_at_its_call_still_reads_the_source():
+    """Operators whose arguments are all computed run at their call, and so do
+    a flagged block's calls once 'auto' found nothing to merge (the test above
+    reaches that window). Until 2026-11-27 a write through the alias did not
+    wait for such an operator still queued behind a slow producer: the engine
+    ran the write first, and the operator read the new values (about 1 run in
+    100 of the test above under 'auto'). A write to memory handed out by
+    ``to_dlpack_for_write`` now waits for every operator in flight."""
+    rng = np.random.default_rng(30)
+    a = nd.array(rng.normal(size=(1500, 1500)).astype("float32") / 40)
+    buf = nd.ones((2, H)) * 0.5
+    alias = nd.from_dlpack(nd.to_dlpack_for_write(buf))
+    want = (nd.dot(a, a)[0:1, :H].asnumpy() + 0.5) * 3
+    y = (nd.dot(a, a)[0:1, :H] + buf[0:1]) * 3   # queued behind the product
+    alias[:] = 7.0
+    np.testing.assert_allclose(y.asnumpy(), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(buf.asnumpy(), np.full((2, H), 7.0, "float32"))

@@ -18,7 +18,7 @@ from . import _mxapi, history
 from .executors import BlockExec
 from .interleave import check_step, in_sample, keeping_others, note_attached
 from .lazy import LazyArray, NotDifferentiableError, node_of
-from .writes import before_write, refuse_if_read_elsewhere, run_parked
+from .writes import before_write, note_exported, refuse_if_read_elsewhere, run_parked
 
 
 def run_pending(reason):
@@ -177,7 +177,9 @@ def make_dlpack_for_write(orig):
     @wraps(orig)
     def to_dlpack_for_write(data):
         before_write(data)
-        return orig(data)
+        res = orig(data)
+        note_exported(data)
+        return res
     return to_dlpack_for_write
 
 

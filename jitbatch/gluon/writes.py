@@ -13,6 +13,7 @@ MXNet's is a view: the thread's graph keeps weak references to them
 are computed first, as MXNet computed them when they were made
 (:func:`before_aliased_write`)."""
 import threading
+from collections import deque
 
 try:
     import cython   # compiled: the local type annotations below are C declarations
@@ -98,6 +99,32 @@ def _reads(p, target, span, spans):
         return lo < span[1] and span[0] < hi
 
 
+#: the memory spans of arrays handed out by ``nd.to_dlpack_for_write`` (the most
+#: recent; a span whose array is gone only costs a write a wait)
+_EXPORTED = deque(maxlen=64)
+
+
+def note_exported(arr):
+    """``arr``'s memory was handed out for writing (DLPack): an array made from
+    it (``nd.from_dlpack``) has an engine variable of its own."""
+    span = _mxapi.memory_span(arr)
+    if span is not None and span[0] < span[1] and span not in _EXPORTED:
+        _EXPORTED.append(span)
+
+
+def _in_exported(target):
+    """Whether ``target`` (concrete) shares memory handed out by DLPack."""
+    if type(target) is LazyArray or not isinstance(target, NDArray):
+        return False
+    mine = _mxapi.memory_span(target)
+    if mine is None:
+        return False
+    for lo, hi in _EXPORTED:
+        if lo < mine[1] and mine[0] < hi:
+            return True
+    return False
+
+
 def before_write(target):
     """An in-place write to ``target`` is about to run: if a pending call of this
     thread reads it (a concrete argument, a parameter of a recorded block, a
@@ -114,6 +141,11 @@ def before_write(target):
         _run_readers(g, target, param)
     if g.aliased:
         before_aliased_write(target)
+    if _EXPORTED and _in_exported(target):
+        # the engine orders this write after the operators that read the memory
+        # through this array's variable only: calls run at their call ('auto'
+        # found nothing to merge) may read it through the other's
+        _mxapi.waitall()
 
 
 def run_parked(g, reason, still=None):
