@@ -99,17 +99,16 @@ def _reads(p, target, span, spans):
         return lo < span[1] and span[0] < hi
 
 
-#: the memory spans of arrays handed out by ``nd.to_dlpack_for_write`` (the most
-#: recent; a span whose array is gone only costs a write a wait)
-_EXPORTED = deque(maxlen=64)
+#: the arrays most recently handed out by ``nd.to_dlpack_for_write``, kept alive
+#: so that their memory cannot go to another array meanwhile
+_EXPORTED = deque(maxlen=16)
 
 
 def note_exported(arr):
     """``arr``'s memory was handed out for writing (DLPack): an array made from
     it (``nd.from_dlpack``) has an engine variable of its own."""
-    span = _mxapi.memory_span(arr)
-    if span is not None and span[0] < span[1] and span not in _EXPORTED:
-        _EXPORTED.append(span)
+    if not any(a is arr for a in _EXPORTED):
+        _EXPORTED.append(arr)
 
 
 def _in_exported(target):
@@ -119,8 +118,9 @@ def _in_exported(target):
     mine = _mxapi.memory_span(target)
     if mine is None:
         return False
-    for lo, hi in _EXPORTED:
-        if lo < mine[1] and mine[0] < hi:
+    for a in _EXPORTED:
+        span = _mxapi.memory_span(a)
+        if span is not None and span[0] < mine[1] and mine[0] < span[1]:
             return True
     return False
 
@@ -141,10 +141,13 @@ def before_write(target):
         _run_readers(g, target, param)
     if g.aliased:
         before_aliased_write(target)
-    if _EXPORTED and _in_exported(target):
+    if _EXPORTED and _in_exported(target) and \
+            type(threading.current_thread()).__name__ != "_DummyThread":
         # the engine orders this write after the operators that read the memory
         # through this array's variable only: calls run at their call ('auto'
-        # found nothing to merge) may read it through the other's
+        # found nothing to merge) may read it through the other's. Not in a
+        # thread MXNet started (an autograd.Function's backward runs in one,
+        # inside an engine operation that waitall would wait for)
         _mxapi.waitall()
 
 
