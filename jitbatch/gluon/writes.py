@@ -99,16 +99,20 @@ def _reads(p, target, span, spans):
         return lo < span[1] and span[0] < hi
 
 
-#: the arrays most recently handed out by ``nd.to_dlpack_for_write``, kept alive
-#: so that their memory cannot go to another array meanwhile
+#: (array, memory span) of the arrays most recently handed out by
+#: ``nd.to_dlpack_for_write``, kept alive so that their memory cannot go to
+#: another array meanwhile (and their spans stay theirs)
 _EXPORTED = deque(maxlen=16)
 
 
 def note_exported(arr):
     """``arr``'s memory was handed out for writing (DLPack): an array made from
     it (``nd.from_dlpack``) has an engine variable of its own."""
-    if not any(a is arr for a in _EXPORTED):
-        _EXPORTED.append(arr)
+    if any(a is arr for a, _ in _EXPORTED):
+        return
+    span = _mxapi.memory_span(arr)
+    if span is not None and span[0] < span[1]:
+        _EXPORTED.append((arr, span))
 
 
 def _in_exported(target):
@@ -118,9 +122,8 @@ def _in_exported(target):
     mine = _mxapi.memory_span(target)
     if mine is None:
         return False
-    for a in _EXPORTED:
-        span = _mxapi.memory_span(a)
-        if span is not None and span[0] < mine[1] and mine[0] < span[1]:
+    for _, (lo, hi) in _EXPORTED:
+        if lo < mine[1] and mine[0] < hi:
             return True
     return False
 
@@ -141,8 +144,8 @@ def before_write(target):
         _run_readers(g, target, param)
     if g.aliased:
         before_aliased_write(target)
-    if _EXPORTED and _in_exported(target) and \
-            type(threading.current_thread()).__name__ != "_DummyThread":
+    if _EXPORTED and type(threading.current_thread()).__name__ != "_DummyThread" and \
+            _in_exported(target):
         # the engine orders this write after the operators that read the memory
         # through this array's variable only: calls run at their call ('auto'
         # found nothing to merge) may read it through the other's. Not in a
