@@ -126,6 +126,60 @@ def test_operators_over_axis0_act_within_one_sample(op, layout, policy):
           what="%s over axis 0 on %s inputs, policy=%s" % (op, layout, policy))
 
 
+class TimeMajor(HybridBlock):
+    """A projection run time-major: the sample ``(1, T, H)`` transposed to
+    ``(T, 1, H)`` (merged samples along axis 1), reshaped to ``(T, H)`` and
+    back (``interleave``: to ``(T/2, 2, H)`` for a softmax over pairs of
+    steps; merged, that axis would hold the samples)."""
+
+    def __init__(self, interleave, **kw):
+        super(TimeMajor, self).__init__(**kw)
+        self.interleave = interleave
+        with self.name_scope():
+            self.d = nn.Dense(H, in_units=H, flatten=False)
+
+    def hybrid_forward(self, F, x):
+        y = F.transpose(self.d(x), axes=(1, 0, 2))
+        if self.interleave:
+            y = F.reshape_like(F.softmax(F.reshape(y, shape=(-1, 2, H)), axis=1), y)
+        else:
+            y = F.reshape(F.tanh(F.reshape(y, shape=(0, -3))), shape=(0, -4, -1, H))
+        return F.transpose(y, axes=(1, 0, 2))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("interleave", [False, True], ids=["apart", "interleaved"])
+def test_reshapes_of_samples_off_axis_0(interleave, policy):
+    """Merged, the samples lie along axis 1 after the transpose: the reshapes
+    to ``(T, H)`` and back keep each sample's elements together (the calls
+    merge), the one to ``(T/2, 2, H)`` interleaves them (one call per
+    sample, a ContractWarning naming the Reshape)."""
+    net = _init(TimeMajor(interleave))
+    xs = [nd.array(np.random.default_rng(k).normal(size=(1, 4, H))) for k in range(5)]
+    jitbatch.reset_stats()
+    with pytest.warns(jitbatch.ContractWarning, match="Reshape") if interleave else \
+            _no_contract_warning():
+        check(net, lambda net: [net(x) for x in xs], policy)
+    st = jitbatch.stats()
+    if policy in ("depth", "agenda"):
+        # 5 block calls and the oracle's 16 loss operators (4 launches): the
+        # block's calls in one launch, or one each
+        assert (st["nodes"], st["launches"]) == (21, 9 if interleave else 5), st
+
+
+class _no_contract_warning(object):
+    def __enter__(self):
+        import warnings
+        self.catch = warnings.catch_warnings(record=True)
+        self.record = self.catch.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self.catch.__exit__(*exc)
+        got = [w for w in self.record if issubclass(w.category, jitbatch.ContractWarning)]
+        assert not got, [str(w.message) for w in got]
+
+
 class CentringCell(HybridBlock):
     """A recurrent cell over a two-row state that centres over its rows: it reads
     its own earlier outputs (recursive: ``granularity='split'`` cuts off the input

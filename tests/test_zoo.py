@@ -144,18 +144,72 @@ def test_jitbatch_inference_equals_per_sample(model, policy):
         assert_close(g, w, "output of sample %d" % i)
 
 
-def test_fused_gru_layer_in_tnc_layout_gets_an_error_naming_the_layer_and_the_fix():
-    # issue 23 item 3: a fused layer in layout TNC has its batch axis at 1
-    c = Case("fused_gru")
-    c.net.hybridize(dynamic_batch=True)
+class _Layer(mx.gluon.Block):
+    """A fused GRU layer called directly per sample: ``(T, 1, C)`` in TNC or
+    ``(1, T, C)`` in NTC, with Gluon's zero states or given ``(1, 1, H)`` ones."""
+
+    def __init__(self, layout, states, **kw):
+        super(_Layer, self).__init__(**kw)
+        self.layout, self.states = layout, states
+        with self.name_scope():
+            self.rnn = mx.gluon.rnn.GRU(5, layout=layout, input_size=3)
+
+    def forward(self, x):  # pylint: disable=arguments-differ
+        x = x if self.layout == "NTC" else x.swapaxes(0, 1)
+        if self.states:
+            y, _ = self.rnn(x, self.rnn.begin_state(batch_size=1))
+        else:
+            y = self.rnn(x)
+        return y if self.layout == "NTC" else y.swapaxes(0, 1)
+
+
+def _layer_program(net, xs, flag, policy="depth"):
+    net.hybridize(dynamic_batch=True, policy=policy) if flag else net.hybridize(active=False)
+    net.collect_params().zero_grad()
     try:
-        with pytest.raises(jitbatch.BatchingError,
-                           match=r"gru\d+.*fused RNN layer.*batch axis is 1.*Fix: create the "
-                                 r"layer with layout='NTC'"):
-            run_per_sample(c.entry, c.net, c.samples)
+        with mx.autograd.record():
+            ys = [net(x) for x in xs]
+            loss = mx.nd.add_n(*[(y * y * (k + 1)).sum() for k, y in enumerate(ys)])
+        loss.backward()
+        return [y.asnumpy() for y in ys], {k: p.grad().asnumpy().copy()
+                                           for k, p in net.collect_params().items()}
     finally:
         jitbatch.flush()
-        c.net.hybridize(active=False)
+        net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
+def test_fused_gru_layer_in_tnc_layout_merges_samples_of_one_length(policy):
+    # issue 23 item 3: the layer's batch axis is 1 in TNC; samples of lengths
+    # 4, 4, 2, 4, 2 merge by length (two launches of the wrapper under depth)
+    net = _Layer("TNC", False)
+    net.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.default_rng(i).normal(size=(1, T, 3)))
+          for i, T in enumerate([4, 4, 2, 4, 2])]
+    want = _layer_program(net, xs, False)
+    jitbatch.reset_stats()
+    got = _layer_program(net, xs, True, policy)
+    st = jitbatch.stats()
+    for a, b in zip(want[0], got[0]):
+        assert_close(b, a, "output")
+    assert_grads_close(got[1], want[1])
+    if policy != "auto":
+        assert st["launches"] < st["nodes"], st
+
+
+@pytest.mark.parametrize("layout", ["TNC", "NTC"])
+def test_fused_gru_layer_given_states_gets_an_error_naming_the_layer_and_the_fix(layout):
+    # the states Gluon's begin_state makes have their batch axis at 1
+    net = _Layer(layout, True)
+    net.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.default_rng(i).normal(size=(1, 4, 3))) for i in range(3)]
+    _layer_program(net, xs, False)                              # plain Gluon runs it
+    with pytest.raises(jitbatch.BatchingError,
+                       match=r"gru\d+.*fused RNN layer.*batch axis is 1.*Fix: call the layer "
+                             r"itself per sample with no explicit states"):
+        _layer_program(net, xs, True)
+    net.states = False                              # the fix; the next batch runs right
+    assert_grads_close(_layer_program(net, xs, True)[1], _layer_program(net, xs, False)[1])
 
 
 class _NTC(mx.gluon.HybridBlock):

@@ -49,10 +49,7 @@ MODELS = {e.name: e for e in [
           tiny=dict(vocab=20, embed=6, features=6, hidden=5),
           tiny_data=dict(vocab=20, features=6, max_depth=3)),
     Entry("fused_gru", fused_gru, "the GRU classifier with the fused gluon.rnn.GRU layer (TNC)",
-          tiny=_TINY, tiny_data=dict(vocab=20, max_len=7),
-          known_failure="fused RNN layers batch along axis 1 (TNC); jitbatch batches along "
-                        "axis 0 and rejects the layer: BatchingError, output shapes cannot "
-                        "be inferred (issue 23, item 3)"),
+          tiny=_TINY, tiny_data=dict(vocab=20, max_len=7)),
     Entry("fused_gru_ntc", fused_gru, "the same fused layer in layout NTC, called without states",
           options=dict(layout="NTC"), tiny=_TINY, tiny_data=dict(vocab=20, max_len=7)),
 ]}

@@ -6,10 +6,9 @@ lookup, the sequence through the layer in ONE call (no states given), its last
 step's output classified. ``layout``: 'TNC' (Gluon's default; the sample is
 ``(T, 1, E)``) or 'NTC' (``(1, T, E)``).
 
-Under ``hybridize(dynamic_batch=True)`` layout TNC is refused: jitbatch
-batches a block along axis 0, which is the time axis there (``BatchingError``
-naming the layer and the fix). In layout NTC the calls of samples of one
-length merge (jitbatch makes the zero begin states inside the launch).
+Under ``hybridize(dynamic_batch=True)`` the calls of samples of one length
+merge in either layout (jitbatch makes the zero begin states inside the
+launch, and in TNC lays the merged samples along the layer's batch axis 1).
 
 Hand-batched reference: bucketed by length, one layer call per distinct
 length on the batch of that bucket's sequences, the last steps put back in

@@ -238,11 +238,22 @@ def _dot(f, states):
 
 @_register("Reshape")
 def _reshape(f, states):
-    # row-major order keeps each sample's rows contiguous only where the samples
-    # lie along axis 0 and stay there, and nothing else changes size with them
-    if states[0] != 0 or not f.outs[0]:
+    # row-major order keeps each sample's elements contiguous within each index
+    # of the axes before the samples' axis: they stay apart where those axes
+    # keep their product and the samples lead what follows (the first such
+    # axis; the caller checks that it is the one that doubles at twice the rows)
+    a, outs = states[0], f.outs[0]
+    if a is CONST or not outs:
         raise Refuse("reshapes across the axis along which merged samples lie")
-    return 0
+    lead = 1
+    for n in f.ins[0][:a]:
+        lead *= n
+    at = 1
+    for k, n in enumerate(outs):
+        if at == lead:
+            return k
+        at *= n
+    raise Refuse("reshapes across the axis along which merged samples lie")
 
 
 RULES["reshape"] = _reshape

@@ -101,14 +101,16 @@ def _shape_of(table, i, k):
 
 
 def _doubles(outs, outs2, axis):
-    """Whether every output of a node doubles along ``axis`` at twice the rows
-    (unknown shapes pass: the heads are checked by the caller's inference)."""
+    """Whether every output of a node doubles along ``axis`` at twice the rows,
+    its other axes unchanged (unknown shapes pass: the heads are checked by the
+    caller's inference)."""
     if outs2 is None:
         return True
     for s1, s2 in zip(outs, outs2):
         if not s1 or not s2 or 0 in s1 or 0 in s2:
             continue
-        if axis >= len(s1) or s2[axis] != 2 * s1[axis]:
+        if axis >= len(s1) or len(s2) != len(s1) or s2[axis] != 2 * s1[axis] or \
+                any(m != n for k, (m, n) in enumerate(zip(s1, s2)) if k != axis):
             return False
     return True
 

@@ -376,12 +376,11 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                 "block %s holds a fused RNN layer (gluon.rnn.RNN/LSTM/GRU) and called with "
                 "inputs %s its shapes cannot be inferred at twice the rows: the layer's batch "
                 "axis is 1 in its states ((layers, N, H), as begin_state makes them) and in "
-                "time-major (TNC) data, while jitbatch merges samples along axis 0. Fix: create "
-                "the layer with layout='NTC', give each sample a leading axis of 1 ((1, T, C)) "
-                "and no explicit states (the layer makes zero states for the merged rows), or "
-                "loop its cell "
-                "(gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block without "
-                "dynamic_batch. (MXNet: %s)" % (block.name, shapes, first_line(e)))
+                "time-major (TNC) data, while jitbatch merges samples along axis 0. Fix: call "
+                "the layer itself per sample with no explicit states (in layout NTC on (1, T, C), "
+                "in TNC on (T, 1, C): jitbatch makes zero states for the merged rows), or loop "
+                "its cell (gluon.rnn.GRUCell, LSTMCell) per step, or hybridize this block "
+                "without dynamic_batch. (MXNet: %s)" % (block.name, shapes, first_line(e)))
         params = list(block.collect_params().values())
         pdt = {np.dtype(p.dtype).name for p in params}
         if len(pdt) == 1 and np.issubdtype(np.dtype(dtypes[0]), np.floating) and \
