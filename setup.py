@@ -105,6 +105,6 @@ setup(
     extras_require={
         # the Tree-LSTM example and the benchmark scripts: progress bars and plots
         "examples": EXAMPLES,
-        "test": ["pytest", "hypothesis"] + EXAMPLES,
+        "test": ["pytest", "pytest-xdist", "hypothesis"] + EXAMPLES,
     },
 )

@@ -10,14 +10,14 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: seconds after which a test is hung (pytest.ini's faulthandler_timeout dumps
-#: every thread's stack a minute before): the run ends there, failed, rather than
+#: every thread's stack a minute before): its process ends there, failed, rather than
 #: hanging until CI's limit, as a deadlocked MXNet engine would make it
 HUNG = 360
 _STDERR = [2]   # the terminal's stderr, taken in pytest_configure (not captured then)
 
 
 def _hung(name):
-    msg = "\n%s ran %d s: hung, the test run ends here\n" % (name, HUNG)
+    msg = "\n%s ran %d s: hung, its test process ends here\n" % (name, HUNG)
     os.write(_STDERR[0], msg.encode())
     os._exit(3)
 

@@ -43,7 +43,8 @@ def test_the_library_requires_only_what_it_imports():
         assert heavy not in names(got["install_requires"])
     examples = names(got["extras_require"]["examples"])
     assert examples == ["matplotlib", "tqdm"]
-    assert set(examples) | {"pytest", "hypothesis"} == set(names(got["extras_require"]["test"]))
+    assert set(examples) | {"pytest", "pytest-xdist", "hypothesis"} == \
+        set(names(got["extras_require"]["test"]))
 
 
 def test_only_jitbatch_is_installed_as_a_package():
