@@ -179,12 +179,13 @@ def _layer_program(net, xs, flag, policy="depth"):
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
-def test_fused_gru_layer_in_tnc_layout_merges_samples_of_one_length(policy):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_gru_layer_in_tnc_layout_merges_samples_of_one_length(rows, policy):
     # issue 23 item 3: the layer's batch axis is 1 in TNC; samples of lengths
-    # 4, 4, 2, 4, 2 merge by length (two launches of the wrapper under depth)
+    # 4, 4, 2, 4, 2 merge by length (``rows`` sequences per sample: (T, rows, C))
     net = _Layer("TNC", False)
     net.initialize(mx.init.Uniform(0.5))
-    xs = [mx.nd.array(np.random.default_rng(i).normal(size=(1, T, 3)))
+    xs = [mx.nd.array(np.random.default_rng(i).normal(size=(rows, T, 3)))
           for i, T in enumerate([4, 4, 2, 4, 2])]
     want = _layer_program(net, xs, False)
     jitbatch.reset_stats()
