@@ -780,12 +780,47 @@ def test_loss_printed_then_per_task_backwards_sequential():
     check(make(), _printed_then_task_backwards, "sequential")
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: the task loss printed before per-task backwards "
-                   "(a read: one merged flush of both tasks) makes the second task's backward "
-                   "write zeros into the first task's head gradients")
 @pytest.mark.parametrize("policy", MERGING)
 def test_finding_loss_printed_then_per_task_backwards(policy):
+    """Until 2026-11-27 a strict expected failure: the read ran both tasks'
+    calls merged, and the second task's backward wrote zeros into the first
+    task's head gradients. The read's flush now keeps its nodes' inputs, and
+    the backward puts back what per sample it does not reach."""
     check(make(), _printed_then_task_backwards, policy)
+
+
+def _logged_per_task_gradients(net, pol):
+    """Per-task gradients as gradient-surgery methods (PCGrad) take them: both
+    task losses logged (read), then one backward per task, the gradients read
+    after each. Task B's loss leaves out the odd samples (their regression
+    heads are called anyway), so per sample its backward writes neither the
+    classifier's gradients nor the odd samples' input gradients (attached,
+    'write'): they keep task A's."""
+    flag(net, pol)
+    out = []
+    for step in range(2):
+        batch = data("pcgrad/%d" % step, 5)
+        for x, _, _ in batch:
+            x.attach_grad()
+        with autograd.record():
+            la, lb = [], []
+            for k, (x, c, r) in enumerate(batch):
+                h = net.enc(x)
+                la.append(nd.sum(SCE(net.ha(h), c)))
+                pred = net.hb(h)
+                if k % 2 == 0:
+                    lb.append(nd.sum(L2(pred, r)))
+            a, b = nd.add_n(*la), nd.add_n(*lb)
+        out += [np.array(a.asscalar()), np.array(b.asscalar())]
+        for loss in (a, b):
+            loss.backward(retain_graph=loss is a)
+            out += pgrads(net) + [x.grad.asnumpy() for x, _, _ in batch]
+    return out
+
+
+@POLICY
+def test_logged_task_losses_then_per_task_gradients(policy):
+    check(make(), _logged_per_task_gradients, policy)
 
 
 @pytest.mark.parametrize("policy", ["auto", "depth"])

@@ -6,6 +6,8 @@ attributes, per-sample input and output shapes, training mode) and the
 and returns its outputs' state, or raises ``Refuse`` saying how the operator
 combines samples. ``contract.check`` propagates the states over a graph.
 Adding an operator is one line in the registry at the end."""
+import math
+
 CONST = None
 
 #: operator name -> rule(Facts of the node, input states) -> state
@@ -238,18 +240,12 @@ def _dot(f, states):
 
 @_register("Reshape")
 def _reshape(f, states):
-    # row-major order keeps each sample's elements contiguous within each index
-    # of the axes before the samples' axis: they stay apart where those axes
-    # keep their product and the samples lead what follows (the first such
-    # axis; the caller checks that it is the one that doubles at twice the rows)
-    a, outs = states[0], f.outs[0]
-    if a is CONST or not outs:
-        raise Refuse("reshapes across the axis along which merged samples lie")
-    lead = 1
-    for n in f.ins[0][:a]:
-        lead *= n
-    at = 1
-    for k, n in enumerate(outs):
+    # row-major order keeps each sample's elements together within each index of
+    # the axes before the samples': they stay apart where those axes keep their
+    # product (the caller checks that the next axis is the one that doubles)
+    a = states[0]
+    lead, at = math.prod(f.ins[0][:a]) if a is not CONST else -1, 1
+    for k, n in enumerate(f.outs[0]):
         if at == lead:
             return k
         at *= n

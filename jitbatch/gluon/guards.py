@@ -71,6 +71,7 @@ def make_backward(orig, heads_of):
         heads = heads_of(args, kwargs)
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
         watched = None if retain else history.watch(heads)
+        kept = history.keep_unreached(heads)
         history.run_apart(heads, watched, not retain)
         before_backward(heads)
         try:
@@ -79,6 +80,8 @@ def make_backward(orig, heads_of):
             if "any container is empty" not in str(e) or "AGInfo" not in str(e):
                 raise
             history.freed(e)
+        finally:
+            history.put_back(kept, not retain)
         history.after(watched)
         return res
     return backward
@@ -357,6 +360,9 @@ def make_grad(orig):
                 "differentiates once only (plain hybridize() refuses alike). Fix: for a "
                 "gradient of a gradient (a gradient penalty), call these blocks with "
                 "hybridize(active=False)." % (", ".join(names) or "on its path")) from e
+        finally:
+            if not retain_graph and not create_graph:     # MXNet's default: frees the graph
+                history.put_back(None, True)
     return grad
 
 

@@ -21,12 +21,29 @@ through a call passing it gradient is refused (``refuse``); through
 ``detach``, ``BlockGrad``, ``argmax`` or a comparison it is a constant anyway.
 Not followed: calls computed by an earlier flush (a read, a pipelined chunk),
 which have let go of their inputs, and values made from a marked output by
-a reshape or a concatenation (views and row composites of concrete rows)."""
+a reshape or a concatenation (views and row composites of concrete rows).
+
+Calls a read ran (the loss printed before per-task backwards) merged before
+any backward could split them: a read of recorded values keeps the flushed
+nodes' inputs (``execute.keeps_inputs``), and a backward from lazy heads
+first finds what of those launches it reaches without reaching it per sample
+(``keep_unreached``): the gradient buffers only such calls write (their
+blocks' parameters, their attached inputs) are copied before and put back
+after it (``put_back``). Where the walk meets what it cannot follow (a node
+that let go of its inputs, an input computed outside jitbatch under
+autograd, whose history may reach a parameter) nothing is kept: as before."""
+import json
+
+from mxnet import autograd
+from mxnet.base import MXNetError
+from mxnet.ndarray import NDArray
+
 from .. import execute
 from ..errors import first_line
-from ..graph import Composite, Node, current_graph, only_sinks, reached_from, sever
+from ..graph import Composite, Node, Ref, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
-from .lazy import LazyArray, NotDifferentiableError, node_of
+from .kept import READ_HEADS, keeps_recorded, read_node
+from .lazy import DETACHED, LazyArray, NotDifferentiableError, node_of
 
 _MARKED = [0]   # outputs marked so far: until one is, a backward reaching all is not followed
 
@@ -145,3 +162,172 @@ def freed(error):
         "left it out of its loss: merged, that output shared a launch with samples that "
         "backward reached, which freed the launch's record (retain_graph=False); MXNet: %s. "
         "%s" % (first_line(error), _FIX)) from error
+
+
+# -- launches a read ran, reached only through other samples' rows -----------------------
+class _Unknown(Exception):
+    """The walk met what it cannot follow."""
+
+
+def _producer(x):
+    """The Node or Composite behind lazy input ``x`` (one a read computed: its
+    noted node); _Unknown where it is gone."""
+    q = x._node
+    if q is DETACHED:
+        q = read_node(x)
+        if q is None:
+            raise _Unknown()
+    return q
+
+
+def _walk_inputs(n, found):
+    """``found(p)`` for each node ``n`` reads; its concrete inputs returned."""
+    if n.batch is not None and not n.inputs:
+        raise _Unknown()          # let go of its inputs: not followed
+    concrete = []
+    for x in n.inputs:
+        if isinstance(x, Ref):
+            q = _producer(x)
+            if type(q) is Node:
+                found(q)
+            elif type(q) is Composite:
+                for p in q.nodes:
+                    found(p)
+            else:
+                raise _Unknown()
+        elif isinstance(x, NDArray):
+            concrete.append(x)
+    return concrete
+
+
+def _trained_params(n, cache):
+    """The parameters with a gradient of the block node ``n`` launches."""
+    got = cache.get(id(n.info))
+    if got is None:
+        block = getattr(n.info.op, "block", None)
+        got = cache[id(n.info)] = [] if block is None else \
+            [p for p in block.collect_params().values() if p.grad_req != "null"]
+    return got
+
+
+def _recorded(x):
+    """Whether autograd recorded an operator that computed concrete ``x``."""
+    try:
+        sym = autograd.get_symbol(x)
+    except MXNetError:
+        return False
+    return any(node["op"] != "null" for node in json.loads(sym.tojson())["nodes"])
+
+
+def keep_unreached(heads):
+    """Before a backward from ``heads``: copies of the gradient buffers that
+    MXNet's backward would write through launches a read ran, where per
+    sample it reaches none of their writers (module docstring), as
+    ``[(buffer, copy)]``; None where there are none or the walk cannot tell."""
+    g = current_graph()
+    if g.sharing is not None or not any(lst and lst[-1].inputs and lst[-1].mode[0]
+                                        for lst in g.retired):
+        return None       # no flush kept recorded calls with their inputs
+    try:
+        return _keep_unreached(g, heads)
+    except _Unknown:
+        return None
+
+
+def _keep_unreached(g, heads):
+    starts = []
+    for h in heads:
+        if type(h) is not LazyArray:
+            return None           # computed outside jitbatch: not followed
+        q = _producer(h)
+        if type(q) is Node:
+            starts.append(q)
+        elif type(q) is Composite:
+            starts.extend(q.nodes)
+        else:
+            return None
+    kept = [n for lst in g.retired for n in lst]
+    if only_sinks(kept, {id(n) for n in starts}) and only_sinks(g.nodes, {id(n) for n in starts}):
+        return None       # every call feeds a head: the backward reaches them all
+    # per sample: every call the heads read, directly or through others
+    reached = {}
+    concrete = []
+    todo = starts
+    while todo:
+        n = todo.pop()
+        if id(n) in reached:
+            continue
+        reached[id(n)] = n
+        concrete += _walk_inputs(n, todo.append)
+    # merged: every launch of those calls, and every launch any of its rows reads
+    members = {}
+    for lst in g.retired:
+        for n in lst:
+            if n.group is not None:
+                members.setdefault(id(n.group), []).append(n)
+    launches = set()
+    todo = [n.group for n in reached.values() if n.batch is not None and n.group is not None]
+    unreached = []
+    while todo:
+        grp = todo.pop()
+        if id(grp) in launches:
+            continue
+        launches.add(id(grp))
+        rows = members.get(id(grp))
+        if rows is None:
+            raise _Unknown()      # a launch of a flush that let go of its inputs
+        for n in rows:
+            if id(n) not in reached:
+                unreached.append(n)
+            _walk_inputs(n, lambda p: todo.append(p.group) if p.batch is not None and
+                         p.group is not None else None)
+    if not unreached:
+        return None
+    cache = {}
+    written = {}
+    for n in reached.values():
+        for p in _trained_params(n, cache):
+            written[id(p)] = p
+    params = {}
+    for n in unreached:
+        for p in _trained_params(n, cache):
+            if id(p) not in written:
+                params[id(p)] = p
+    inputs = {}
+    for n in unreached:
+        for x in _walk_inputs(n, lambda p: None):
+            if x.grad is not None:
+                inputs[id(x)] = x
+    if not params and not inputs:
+        return None
+    # what the reached calls read concretely: a parameter's array is that
+    # parameter reached; an array autograd computed may reach any (not followed)
+    data = {}
+    for p in params.values():
+        for d in p.list_data():
+            data[d.handle.value] = id(p)
+    for x in concrete:
+        inputs.pop(id(x), None)
+        if x.handle.value in data:
+            params.pop(data[x.handle.value], None)
+        elif _recorded(x):
+            return None
+    bufs = [b for p in params.values() for b in p.list_grad()] + [x.grad for x in inputs.values()]
+    return [(b, b.copy()) for b in bufs] or None
+
+
+def put_back(kept, frees):
+    """After the backward ``keep_unreached`` saw coming: the kept buffers get
+    their values back. A backward that ``frees`` its graph (no
+    ``retain_graph``) ends what reads kept for one: nothing it reached can be
+    reached again, so the read heads' notes go and the kept nodes let go of
+    their inputs (their launches' outputs, which a kept node holds alive)."""
+    if kept:
+        with autograd.pause():
+            for buf, copy in kept:
+                copy.copyto(buf)
+    if frees:
+        READ_HEADS.clear()
+        g = current_graph()
+        if g.retired and not g.executing and keeps_recorded(g):
+            g.release()

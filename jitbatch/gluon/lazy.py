@@ -25,6 +25,7 @@ from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Graph, Node, Ref, current_graph, recorder
 from . import _mxapi
 from .interleave import in_sample
+from .kept import keeps_recorded, note_read
 from .layout import extent
 from .modes import mode
 
@@ -137,10 +138,13 @@ class LazyArray(NDArray, Ref):
         self._node = DETACHED
         self._view = None
         g = node.graph
+        if node.inputs and g.sharing is None and node.mode[0]:
+            note_read(self, node)
         if not g.executing and g.thread == recorder():
             # a read: what flushes kept is freed while the kernels run (also
-            # after a flush that a backward forced and released already)
-            if g.retired or g.kept:
+            # after a flush that a backward forced and released already),
+            # unless it keeps recorded nodes for a backward
+            if (g.retired or g.kept) and not keeps_recorded(g):
                 g.release()
             if _mxapi._HOSTS:  # pylint: disable=protected-access
                 _mxapi.release_hosts()

@@ -14,19 +14,32 @@ Rules are registered per operator name by family helpers, so adding an
 operator is one line below. An operator with no rule still stays lazy: it runs
 one launch per node at flush time."""
 import ast
+import threading
 
 #: operator name -> rule function(attrs, keys, vals, in_shapes, out_shapes)
 RULES = {}
+
+_PARSED = {}        # attribute string -> its immutable value (the strings repeat)
+# CPython 3.11's parser keeps a recursion count per interpreter: two threads
+# parsing at once can raise "SystemError: AST constructor recursion depth mismatch"
+_PARSING = threading.Lock()
+_MISSING = object()
 
 
 def parse_attr(v):
     """An operator attribute's value from MXNet's string form (as is if not a literal)."""
     if not isinstance(v, str):
         return v
-    try:
-        return ast.literal_eval(v)
-    except (ValueError, SyntaxError):
-        return v
+    got = _PARSED.get(v, _MISSING)
+    if got is _MISSING:
+        with _PARSING:
+            try:
+                got = ast.literal_eval(v)
+            except (ValueError, SyntaxError):
+                got = v
+        if isinstance(got, (str, int, float, bool, tuple, type(None))) and len(_PARSED) < 65536:
+            _PARSED[v] = got
+    return got
 
 
 def _norm_axes(axis, ndim):

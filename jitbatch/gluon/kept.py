@@ -1,0 +1,39 @@
+"""Recorded calls that a read ran, kept for a backward.
+
+A read of a recorded value (the loss printed before the backward) runs every
+pending call in one flush, merged before any backward could keep tasks apart.
+That flush keeps its nodes' inputs (``execute.keeps_inputs``), and the lazy
+arrays it computes note their node here, so that a later backward from them
+can still be walked per sample (``history.keep_unreached``). A backward that
+frees its graph ends both (``history.put_back``)."""
+import weakref
+
+from ..graph import Graph
+
+#: lazy arrays read while their recorded node kept its inputs: id -> (weak
+#: reference, node); emptied by a backward that frees its graph, and past CAP
+READ_HEADS = {}
+CAP = 4096
+
+
+def note_read(la, node):
+    """Lazy array ``la``, just computed, came from recorded ``node``."""
+    if len(READ_HEADS) >= CAP:
+        READ_HEADS.clear()
+    READ_HEADS[id(la)] = (weakref.ref(la), node)
+
+
+def read_node(la):
+    """The node a read lazy array came from (``note_read``), or None."""
+    e = READ_HEADS.get(id(la))
+    return e[1] if e is not None and e[0]() is la else None
+
+
+def keeps_recorded(g):
+    """Whether graph ``g``'s latest flush kept its recorded nodes' inputs: a
+    read then frees nothing."""
+    gr: Graph = g
+    if gr.sharing is not None or not gr.retired:
+        return False
+    last = gr.retired[-1]
+    return bool(last) and bool(last[-1].mode[0]) and bool(last[-1].inputs)
