@@ -92,18 +92,19 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
             gcdefer.resume()
         graph.done()
     chunk = reason in _CHUNKS
-    graph.retire(nodes, release=(forced and not keeps_inputs(graph, nodes, reason)) or chunk,
+    graph.retire(nodes, release=(forced or chunk) and not keeps_inputs(graph, nodes),
                  ends_graph=not chunk)
     del held
 
 
-def keeps_inputs(graph, nodes, reason):
-    """Whether a flush a read forced keeps its recorded nodes' inputs (until a
-    later release): nodes recorded by autograd may be reached by a backward
-    that needs them (``gluon.history.keep_unreached``); not under
-    ``jitbatch.map``, whose backwards are kept apart otherwise."""
-    return reason == "read" and graph.sharing is None and bool(nodes) and \
-        bool(nodes[-1].mode[0])
+def keeps_inputs(graph, nodes):
+    """Whether a flush keeps its nodes' inputs past a read or a chunk (until a
+    later release): nodes recorded by autograd may be reached by a later
+    backward that walks them (``gluon.history.keep_unreached``, which
+    releases them after a backward that frees the graph; training keeps
+    their values alive anyway); not under ``jitbatch.map``, whose backwards
+    are kept apart otherwise."""
+    return graph.sharing is None and bool(nodes) and bool(nodes[-1].mode[0])
 
 
 def _apart(nodes, first):

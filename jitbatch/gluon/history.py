@@ -19,19 +19,19 @@ with a trained parameter (one over constants only, a frozen block's, has no
 record per sample either). A later backward that reaches a marked output
 through a call passing it gradient is refused (``refuse``); through
 ``detach``, ``BlockGrad``, ``argmax`` or a comparison it is a constant anyway.
-Not followed: calls computed by an earlier flush (a read, a pipelined chunk),
-which have let go of their inputs, and values made from a marked output by
-a reshape or a concatenation (views and row composites of concrete rows).
+Not followed by ``watch``: calls computed by an earlier flush (a read, a
+pipelined chunk), and values made from a marked output by a reshape or a
+concatenation (views and row composites of concrete rows).
 
-Calls a read ran (the loss printed before per-task backwards) merged before
-any backward could split them: a read of recorded values keeps the flushed
-nodes' inputs (``execute.keeps_inputs``), and a backward from lazy heads
-first finds what of those launches it reaches without reaching it per sample
-(``keep_unreached``): the gradient buffers only such calls write (their
-blocks' parameters, their attached inputs) are copied before and put back
-after it (``put_back``). Where the walk meets what it cannot follow (a node
-that let go of its inputs, an input computed outside jitbatch under
-autograd, whose history may reach a parameter) nothing is kept: as before."""
+Calls a read or a pipelined chunk ran (the loss printed before per-task
+backwards) merged before any backward could split them: such a flush of
+recorded calls keeps its nodes' inputs (``execute.keeps_inputs``; ``kept``),
+and a backward from lazy heads first finds what of those launches it reaches
+without reaching it per sample (``keep_unreached``): the gradient buffers
+only such calls write (their blocks' parameters, their attached inputs) are
+copied before and put back after it (``put_back``). Where the walk meets what
+it cannot follow (a node that let go of its inputs, an input computed outside
+jitbatch under autograd, whose history may reach a parameter) nothing is kept: as before."""
 import json
 
 from mxnet import autograd

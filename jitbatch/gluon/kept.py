@@ -1,11 +1,12 @@
-"""Recorded calls that a read ran, kept for a backward.
+"""Recorded calls that a flush ran before their backward, kept for it.
 
 A read of a recorded value (the loss printed before the backward) runs every
-pending call in one flush, merged before any backward could keep tasks apart.
-That flush keeps its nodes' inputs (``execute.keeps_inputs``), and the lazy
-arrays it computes note their node here, so that a later backward from them
-can still be walked per sample (``history.keep_unreached``). A backward that
-frees its graph ends both (``history.put_back``)."""
+pending call in one flush, and a pipelined chunk runs part of them, merged
+before any backward could keep tasks apart. Such a flush keeps its nodes'
+inputs (``execute.keeps_inputs``), and a lazy array a read computes notes its
+node here, so that a later backward from it can still be walked per sample
+(``history.keep_unreached``). A backward that frees its graph ends both
+(``history.put_back``)."""
 import weakref
 
 from ..graph import Graph
