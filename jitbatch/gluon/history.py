@@ -23,15 +23,16 @@ Not followed by ``watch``: calls computed by an earlier flush (a read, a
 pipelined chunk), and values made from a marked output by a reshape or a
 concatenation (views and row composites of concrete rows).
 
-Calls a read or a pipelined chunk ran (the loss printed before per-task
-backwards) merged before any backward could split them: such a flush of
-recorded calls keeps its nodes' inputs (``execute.keeps_inputs``; ``kept``),
-and a backward from lazy heads first finds what of those launches it reaches
-without reaching it per sample (``keep_unreached``): the gradient buffers
-only such calls write (their blocks' parameters, their attached inputs) are
-copied before and put back after it (``put_back``). Where the walk meets what
-it cannot follow (a node that let go of its inputs, an input computed outside
-jitbatch under autograd, whose history may reach a parameter) nothing is kept: as before."""
+Calls a read, a pipelined chunk or an earlier backward's flush ran (the loss
+printed before per-task backwards) merged before this backward could split
+them: a flush of recorded calls keeps its nodes' inputs
+(``execute.keeps_inputs``; ``kept``), and a backward from lazy heads first
+finds what of those launches it reaches without reaching it per sample
+(``keep_unreached``): the gradient buffers only such calls write (their
+blocks' parameters, their attached inputs) are copied before and put back
+after it (``put_back``). Where the walk meets what it cannot follow (a node
+that let go of its inputs, an input computed outside jitbatch under
+autograd, whose history may reach a parameter) nothing is kept: as before."""
 import json
 
 from mxnet import autograd
@@ -164,7 +165,7 @@ def freed(error):
         "%s" % (first_line(error), _FIX)) from error
 
 
-# -- launches a read ran, reached only through other samples' rows -----------------------
+# -- launches run before the backward, reached only through other samples' rows ----------
 class _Unknown(Exception):
     """The walk met what it cannot follow."""
 
@@ -221,9 +222,10 @@ def _recorded(x):
 
 def keep_unreached(heads):
     """Before a backward from ``heads``: copies of the gradient buffers that
-    MXNet's backward would write through launches a read ran, where per
-    sample it reaches none of their writers (module docstring), as
-    ``[(buffer, copy)]``; None where there are none or the walk cannot tell."""
+    MXNet's backward would write through launches that ran before it (a
+    read, a chunk, an earlier backward's flush), where per sample it reaches
+    none of their writers (module docstring), as ``[(buffer, copy)]``; None
+    where there are none or the walk cannot tell."""
     g = current_graph()
     if g.sharing is not None or not any(lst and lst[-1].inputs and lst[-1].mode[0]
                                         for lst in g.retired):
