@@ -221,11 +221,12 @@ def _recorded(x):
 
 
 def keep_unreached(heads):
-    """Before a backward from ``heads``: copies of the gradient buffers that
-    MXNet's backward would write through launches that ran before it (a
-    read, a chunk, an earlier backward's flush), where per sample it reaches
-    none of their writers (module docstring), as ``[(buffer, copy)]``; None
-    where there are none or the walk cannot tell."""
+    """Before a backward from ``heads``: ``(copies, unreached)``, the calls of
+    launches that ran before it (a read, a chunk, an earlier backward's
+    flush) that it passes through without reaching them per sample, and
+    copies ``[(buffer, copy)]`` of the gradient buffers only those calls
+    would write (module docstring); None where there are none or the walk
+    cannot tell."""
     g = current_graph()
     if g.sharing is not None or not any(lst and lst[-1].inputs and lst[-1].mode[0]
                                         for lst in g.retired):
@@ -285,6 +286,12 @@ def _keep_unreached(g, heads):
                          p.group is not None else None)
     if not unreached:
         return None
+    return _buffers(reached, unreached, concrete), unreached
+
+
+def _buffers(reached, unreached, concrete):
+    """Copies of the gradient buffers only the ``unreached`` calls write (see
+    ``keep_unreached``); ``concrete``: the reached calls' concrete inputs."""
     cache = {}
     written = {}
     for n in reached.values():
@@ -301,7 +308,7 @@ def _keep_unreached(g, heads):
             if x.grad is not None:
                 inputs[id(x)] = x
     if not params and not inputs:
-        return None
+        return []
     # what the reached calls read concretely: a parameter's array is that
     # parameter reached; an array autograd computed may reach any (not followed)
     data = {}
@@ -313,21 +320,34 @@ def _keep_unreached(g, heads):
         if x.handle.value in data:
             params.pop(data[x.handle.value], None)
         elif _recorded(x):
-            return None
+            return []
     bufs = [b for p in params.values() for b in p.list_grad()] + [x.grad for x in inputs.values()]
-    return [(b, b.copy()) for b in bufs] or None
+    return [(b, b.copy()) for b in bufs]
 
 
 def put_back(kept, frees):
     """After the backward ``keep_unreached`` saw coming: the kept buffers get
     their values back. A backward that ``frees`` its graph (no
-    ``retain_graph``) ends what reads kept for one: nothing it reached can be
-    reached again, so the read heads' notes go and the kept nodes let go of
-    their inputs (their launches' outputs, which a kept node holds alive)."""
+    ``retain_graph``) freed the records of the launches it reached: their
+    unreached calls of trained blocks are marked as ``after`` marks pending
+    ones (a later backward through them is refused, not silently a
+    constant). It ends what flushes kept for one too: the read heads' notes
+    go and the kept nodes let go of their inputs (their launches' outputs,
+    which a kept node holds alive)."""
     if kept:
+        copies, unreached = kept
         with autograd.pause():
-            for buf, copy in kept:
+            for buf, copy in copies:
                 copy.copyto(buf)
+        if frees:
+            trained = {}
+            for n in unreached:
+                t = trained.get(id(n.info))
+                if t is None:
+                    t = trained[id(n.info)] = _trained_block(n.info.op)
+                if t and not n.severed:
+                    n.severed = True
+                    _MARKED[0] += 1
     if frees:
         READ_HEADS.clear()
         g = current_graph()
