@@ -331,9 +331,9 @@ def put_back(kept, frees):
     ``retain_graph``) freed the records of the launches it reached: their
     unreached calls of trained blocks are marked as ``after`` marks pending
     ones (a later backward through them is refused, not silently a
-    constant). It ends what flushes kept for one too: the read heads' notes
-    go and the kept nodes let go of their inputs (their launches' outputs,
-    which a kept node holds alive)."""
+    constant). It ends what this thread's flushes kept for one too: its read
+    heads' notes go, and the kept nodes let go of their inputs (their
+    launches' outputs, which a kept node holds alive)."""
     if kept:
         copies, unreached = kept
         with autograd.pause():
@@ -349,7 +349,9 @@ def put_back(kept, frees):
                     n.severed = True
                     _MARKED[0] += 1
     if frees:
-        READ_HEADS.clear()
         g = current_graph()
+        for k, (_, node) in list(READ_HEADS.items()):     # this thread's only
+            if node.graph is g:
+                READ_HEADS.pop(k, None)
         if g.retired and not g.executing and keeps_recorded(g):
             g.release()

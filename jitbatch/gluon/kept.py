@@ -12,7 +12,8 @@ import weakref
 from ..graph import Graph
 
 #: lazy arrays read while their recorded node kept its inputs: id -> (weak
-#: reference, node); emptied by a backward that frees its graph, and past CAP
+#: reference, node); a backward that frees its graph drops its thread's, and
+#: all go past CAP
 READ_HEADS = {}
 CAP = 4096
 
