@@ -1462,7 +1462,9 @@ def test_read_outputs_are_freed():
             values = [y.asnumpy() for y in ys]
             del ys
         assert all(np.isfinite(v).all() for v in values)
-        assert live(jitbatch.LazyArray) == before, i
+        # (at most: lazy arrays an earlier test's recorded flush kept for a
+        # backward that never came go when this test's flushes release them)
+        assert live(jitbatch.LazyArray) <= before, i
 
 
 def references_to_dropped_inputs(flagged, width=5000):

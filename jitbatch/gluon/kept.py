@@ -13,15 +13,20 @@ from ..graph import Graph
 
 #: lazy arrays read while their recorded node kept its inputs: id -> (weak
 #: reference, node); a backward that frees its graph drops its thread's, and
-#: all go past CAP
+#: notes whose array is gone or whose node let go of its inputs (a release
+#: past ``Graph.retire``'s bounds) go when there are more than PURGE
 READ_HEADS = {}
-CAP = 4096
+PURGE = 256
 
 
 def note_read(la, node):
     """Lazy array ``la``, just computed, came from recorded ``node``."""
-    if len(READ_HEADS) >= CAP:
-        READ_HEADS.clear()
+    if len(READ_HEADS) >= PURGE:
+        for k, (ref, n) in list(READ_HEADS.items()):
+            if ref() is None or not n.inputs:
+                READ_HEADS.pop(k, None)
+        if len(READ_HEADS) >= 16 * PURGE:
+            READ_HEADS.clear()
     READ_HEADS[id(la)] = (weakref.ref(la), node)
 
 
