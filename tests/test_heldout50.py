@@ -191,13 +191,16 @@ def data(key, n=4, rows=2):
     return out
 
 
-def task_losses(net, batch):
-    """Per sample: the class loss and the regression loss of its encoding."""
+def task_losses(net, batch, every=1):
+    """Per sample: the class loss and the regression loss of its encoding (the
+    latter of every ``every``-th sample only; the regression head runs on all)."""
     la, lb = [], []
-    for x, c, r in batch:
+    for k, (x, c, r) in enumerate(batch):
         h = net.enc(x)
         la.append(nd.sum(SCE(net.ha(h), c)))
-        lb.append(nd.sum(L2(net.hb(h), r)))
+        pred = net.hb(h)
+        if k % every == 0:
+            lb.append(nd.sum(L2(pred, r)))
     return la, lb
 
 
@@ -804,13 +807,7 @@ def _logged_per_task_gradients(net, pol):
         for x, _, _ in batch:
             x.attach_grad()
         with autograd.record():
-            la, lb = [], []
-            for k, (x, c, r) in enumerate(batch):
-                h = net.enc(x)
-                la.append(nd.sum(SCE(net.ha(h), c)))
-                pred = net.hb(h)
-                if k % 2 == 0:
-                    lb.append(nd.sum(L2(pred, r)))
+            la, lb = task_losses(net, batch, every=2)
             a, b = nd.add_n(*la), nd.add_n(*lb)
         out += [np.array(a.asscalar()), np.array(b.asscalar())]
         for loss in (a, b):
@@ -831,13 +828,7 @@ def _per_task_gradients(net, pol):
     for step in range(2):
         batch = data("pcgrad-chunks/%d" % step, 9)
         with autograd.record():
-            la, lb = [], []
-            for k, (x, c, r) in enumerate(batch):
-                h = net.enc(x)
-                la.append(nd.sum(SCE(net.ha(h), c)))
-                pred = net.hb(h)
-                if k % 2 == 0:
-                    lb.append(nd.sum(L2(pred, r)))
+            la, lb = task_losses(net, batch, every=2)
             a, b = nd.add_n(*la), nd.add_n(*lb)
         a.backward(retain_graph=True)
         out += pgrads(net)

@@ -109,8 +109,8 @@ def _doubles(outs, outs2, axis):
     for s1, s2 in zip(outs, outs2):
         if not s1 or not s2 or 0 in s1 or 0 in s2:
             continue
-        if axis >= len(s1) or len(s2) != len(s1) or s2[axis] != 2 * s1[axis] or \
-                any(m != n for k, (m, n) in enumerate(zip(s1, s2)) if k != axis):
+        if axis >= len(s1) or \
+                tuple(s2) != tuple(s1[:axis]) + (2 * s1[axis],) + tuple(s1[axis + 1:]):
             return False
     return True
 

@@ -43,7 +43,7 @@ from .. import execute
 from ..errors import first_line
 from ..graph import Composite, Node, Ref, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
-from .kept import READ_HEADS, keeps_recorded, read_node
+from .kept import READ_HEADS, kept_for_backward, keeps_recorded, read_node
 from .lazy import DETACHED, LazyArray, NotDifferentiableError, node_of
 
 _MARKED = [0]   # outputs marked so far: until one is, a backward reaching all is not followed
@@ -121,15 +121,20 @@ def after(watched):
     if watched is None:
         return
     nodes, reached = watched
+    _MARKED[0] += sever(_of_trained_blocks(nodes), reached)
+
+
+def _of_trained_blocks(nodes):
+    """Those of ``nodes`` that launch a block recorded with a trained parameter."""
     trained = {}
-    kept = []
+    out = []
     for n in nodes:
         t = trained.get(id(n.info))
         if t is None:
             t = trained[id(n.info)] = _trained_block(n.info.op)
         if t:
-            kept.append(n)
-    _MARKED[0] += sever(kept, reached)
+            out.append(n)
+    return out
 
 
 def _trained_block(ex):
@@ -228,8 +233,7 @@ def keep_unreached(heads):
     would write (module docstring); None where there are none or the walk
     cannot tell."""
     g = current_graph()
-    if g.sharing is not None or not any(lst and lst[-1].inputs and lst[-1].mode[0]
-                                        for lst in g.retired):
+    if g.sharing is not None or not any(map(kept_for_backward, g.retired)):
         return None       # no flush kept recorded calls with their inputs
     try:
         return _keep_unreached(g, heads)
@@ -250,7 +254,8 @@ def _keep_unreached(g, heads):
         else:
             return None
     kept = [n for lst in g.retired for n in lst]
-    if only_sinks(kept, {id(n) for n in starts}) and only_sinks(g.nodes, {id(n) for n in starts}):
+    head_ids = {id(n) for n in starts}
+    if only_sinks(kept, head_ids) and only_sinks(g.nodes, head_ids):
         return None       # every call feeds a head: the backward reaches them all
     # per sample: every call the heads read, directly or through others
     reached = {}
@@ -271,6 +276,7 @@ def _keep_unreached(g, heads):
     launches = set()
     todo = [n.group for n in reached.values() if n.batch is not None and n.group is not None]
     unreached = []
+    their_inputs = []     # the unreached calls' concrete inputs
     while todo:
         grp = todo.pop()
         if id(grp) in launches:
@@ -280,18 +286,20 @@ def _keep_unreached(g, heads):
         if rows is None:
             raise _Unknown()      # a launch of a flush that let go of its inputs
         for n in rows:
+            inputs = _walk_inputs(n, lambda p: todo.append(p.group) if p.batch is not None and
+                                  p.group is not None else None)
             if id(n) not in reached:
                 unreached.append(n)
-            _walk_inputs(n, lambda p: todo.append(p.group) if p.batch is not None and
-                         p.group is not None else None)
+                their_inputs += inputs
     if not unreached:
         return None
-    return _buffers(reached, unreached, concrete), unreached
+    return _buffers(reached, unreached, concrete, their_inputs), unreached
 
 
-def _buffers(reached, unreached, concrete):
+def _buffers(reached, unreached, concrete, their_inputs):
     """Copies of the gradient buffers only the ``unreached`` calls write (see
-    ``keep_unreached``); ``concrete``: the reached calls' concrete inputs."""
+    ``keep_unreached``); ``concrete``, ``their_inputs``: the reached and the
+    unreached calls' concrete inputs."""
     cache = {}
     written = {}
     for n in reached.values():
@@ -302,11 +310,7 @@ def _buffers(reached, unreached, concrete):
         for p in _trained_params(n, cache):
             if id(p) not in written:
                 params[id(p)] = p
-    inputs = {}
-    for n in unreached:
-        for x in _walk_inputs(n, lambda p: None):
-            if x.grad is not None:
-                inputs[id(x)] = x
+    inputs = {id(x): x for x in their_inputs if x.grad is not None}
     if not params and not inputs:
         return []
     # what the reached calls read concretely: a parameter's array is that
@@ -340,12 +344,8 @@ def put_back(kept, frees):
             for buf, copy in copies:
                 copy.copyto(buf)
         if frees:
-            trained = {}
-            for n in unreached:
-                t = trained.get(id(n.info))
-                if t is None:
-                    t = trained[id(n.info)] = _trained_block(n.info.op)
-                if t and not n.severed:
+            for n in _of_trained_blocks(unreached):
+                if not n.severed:
                     n.severed = True
                     _MARKED[0] += 1
     if frees:

@@ -36,11 +36,13 @@ def read_node(la):
     return e[1] if e is not None and e[0]() is la else None
 
 
+def kept_for_backward(nodes):
+    """Whether a retired flush of ``nodes`` kept its recorded nodes' inputs."""
+    return bool(nodes) and bool(nodes[-1].mode[0]) and bool(nodes[-1].inputs)
+
+
 def keeps_recorded(g):
     """Whether graph ``g``'s latest flush kept its recorded nodes' inputs: a
     read then frees nothing."""
     gr: Graph = g
-    if gr.sharing is not None or not gr.retired:
-        return False
-    last = gr.retired[-1]
-    return bool(last) and bool(last[-1].mode[0]) and bool(last[-1].inputs)
+    return gr.sharing is None and bool(gr.retired) and kept_for_backward(gr.retired[-1])
