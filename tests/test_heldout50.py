@@ -1027,15 +1027,6 @@ def test_input_written_in_place_between_two_backwards_sequential():
     check(make(), _input_written_between_backwards, "sequential")
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING (not specific to partial backwards): an input "
-                   "written in place after the forward ran and before a backward: plain Gluon's "
-                   "backward reads the new values (MXNet keeps the array), merged launches read "
-                   "the rows gathered at the flush")
-@pytest.mark.parametrize("policy", MERGING)
-def test_finding_input_written_in_place_between_two_backwards(policy):
-    check(make(), _input_written_between_backwards, policy)
-
-
 def _input_written_before_the_backward(net, pol):
     flag(net, pol)
     xs = [nd.array([[1., 2., 3.]]), nd.array([[4., 5., 6.]])]
@@ -1047,18 +1038,123 @@ def _input_written_before_the_backward(net, pol):
     return out + pgrads(net)
 
 
-def test_finding_input_written_before_the_backward_sequential():
+def test_input_written_before_the_backward_sequential():
     check(make(), _input_written_before_the_backward, "sequential")
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: minimal repro of the in-place input write read "
-                   "by the backward (plain: new values; merged: the values at the flush)")
+WRITTEN = "was written in place after the call ran merged"
+
+
+def refused_or_plain(mk, program, policy, must_refuse):
+    """``program`` under ``policy``: plain Gluon's numbers, or (where the
+    write reached a merged launch's backward) the refusal that names it; then
+    a fresh minibatch on the same networks trains as plain Gluon does (the
+    refusal lost nothing). Returns whether it was refused."""
+    def then(net, pol):
+        try:
+            out = ["ran"] + [numpy_of(a) for a in program(net, pol)]
+        except NotDifferentiableError as e:
+            out = ["refused: " + str(e)]
+        with autograd.record():
+            la, lb = task_losses(net, data("after-refusal"))
+            loss = nd.add_n(*(la + lb))
+        loss.backward()
+        return out + pgrads(net)
+    want, got, _ = both(mk, then, policy)
+    assert want[0] == "ran", want[0]
+    if got[0] != "ran":
+        assert WRITTEN in got[0] and "Fix:" in got[0] and "recorded at" in got[0], got[0]
+        tail = len(got) - 1
+        same(want[-tail:], got[1:], "the minibatch after the refusal")
+        return True
+    assert not must_refuse, "merged, and not refused"
+    same(want, got, policy)
+    return False
+
+
+@pytest.mark.parametrize("policy", MERGING + ["auto"])
+def test_input_written_in_place_between_two_backwards_refused(policy):
+    """Until 2026-11-27 a strict expected failure, numbers silently different:
+    an input written in place after task A's backward (retained) and before
+    task B's. Plain Gluon's backward reads the new values (MXNet keeps the
+    array), a merged launch's the rows gathered at the flush: refused, with
+    the fix, wherever the launch merged."""
+    refused = refused_or_plain(make(), _input_written_between_backwards, policy,
+                               must_refuse=policy in MERGING)
+    assert refused or policy == "auto"
+
+
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
-def test_finding_input_written_before_the_backward_minimal(policy):
-    check(make(), _input_written_before_the_backward, policy)
+def test_input_written_before_the_backward_refused(policy):
+    """The minimal form (the loss read, one input zeroed, the backward): refused."""
+    assert refused_or_plain(make(), _input_written_before_the_backward, policy,
+                            must_refuse=True)
 
 
+def _pending_input_written(net, pol):
+    """The loss is not read before the write: the write runs the pending calls
+    that read the input first (they compute with the old values, as per
+    sample), then the backward."""
+    flag(net, pol)
+    xs = [x.copy() for x, _, _ in data("pendingwrite")]
+    with autograd.record():
+        la, lb = task_losses(net, [(x, c, r) for x, (_, c, r) in
+                                   zip(xs, data("pendingwrite"))])
+        loss = nd.add_n(*(la + lb))
+    xs[1][:] = 0.5
+    loss.backward()
+    return [loss] + pgrads(net)
 
+
+@pytest.mark.parametrize("policy", MERGING)
+def test_pending_input_written_before_the_backward_refused(policy):
+    assert refused_or_plain(make(), _pending_input_written, policy, must_refuse=True)
+
+
+def test_pending_input_written_before_the_backward_sequential():
+    assert not refused_or_plain(make(), _pending_input_written, "sequential",
+                                must_refuse=False)
+
+
+@POLICY
+@pytest.mark.parametrize("what", ["after-backward", "unread-array", "left-out-sample"])
+def test_writes_the_backward_does_not_see_are_not_refused(policy, what):
+    """Writes whose values no backward reads through a merged launch: an input
+    buffer refilled after the backward (the usual loop), an array no call read,
+    and the input of a sample only task A reaches, written between A's
+    backward and B's (per sample B never reads it; merged, its rows take B's
+    zero gradient). Plain numbers, no refusal, two minibatches."""
+    def program(net, pol):
+        flag(net, pol)
+        out = []
+        other = nd.ones((2, 3))
+        for step in range(2):
+            batch = data("notseen/%d" % step, 6)
+            xs = [x.copy() for x, _, _ in batch]
+            with autograd.record():
+                la = [nd.sum(SCE(net.ha(net.enc(x)), c)) for x, (_, c, _) in
+                      zip(xs[:3], batch[:3])]
+                lb = [nd.sum(L2(net.hb(net.enc(x)), r)) for x, (_, _, r) in
+                      zip(xs[3:], batch[3:])]
+                a, b = nd.add_n(*la), nd.add_n(*lb)
+            out.append(a.asnumpy())
+            if what == "after-backward":
+                a.backward(retain_graph=True)
+                b.backward()
+                for x in xs:
+                    x[:] = 0.25
+            elif what == "unread-array":
+                other[:] = step
+                a.backward(retain_graph=True)
+                b.backward()
+            else:
+                a.backward(retain_graph=True)
+                out += pgrads(net)
+                xs[0][:] = 3.0
+                b.backward()
+            out += pgrads(net) + [x.copy() for x in xs]
+        return out
+    assert not refused_or_plain(make(), program, policy, must_refuse=False)
 
 
 @POLICY

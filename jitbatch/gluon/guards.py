@@ -70,6 +70,7 @@ def make_backward(orig, heads_of):
     def backward(*args, **kwargs):
         heads = heads_of(args, kwargs)
         retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else False)
+        history.refuse_written(heads)
         watched = None if retain else history.watch(heads)
         kept = history.keep_unreached(heads)
         history.run_apart(heads, watched, not retain)
@@ -325,6 +326,7 @@ def make_grad(orig):
             retain_graph = True
         names = ()
         listed = heads if isinstance(heads, (list, tuple)) else [heads]
+        history.refuse_written(listed)
         if create_graph:      # the heads' blocks, while their nodes are pending
             names = _blocks_behind(listed)
             _run_unmerged(current_graph())

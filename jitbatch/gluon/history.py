@@ -32,7 +32,9 @@ finds what of those launches it reaches without reaching it per sample
 blocks' parameters, their attached inputs) are copied before and put back
 after it (``put_back``). Where the walk meets what it cannot follow (a node
 that let go of its inputs, an input computed outside jitbatch under
-autograd, whose history may reach a parameter) nothing is kept: as before."""
+autograd, whose history may reach a parameter) nothing is kept: as before.
+A backward that reaches a kept call whose input was written in place since
+its flush is refused (``refuse_written``; ``kept.note_write``)."""
 import json
 
 from mxnet import autograd
@@ -43,7 +45,8 @@ from .. import execute
 from ..errors import first_line
 from ..graph import Composite, Node, Ref, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
-from .kept import READ_HEADS, kept_for_backward, keeps_recorded, read_node
+from .kept import (READ_HEADS, WRITTEN, forget_writes, kept_for_backward, keeps_recorded,
+                   read_node)
 from .lazy import DETACHED, LazyArray, NotDifferentiableError, node_of
 
 _MARKED = [0]   # outputs marked so far: until one is, a backward reaching all is not followed
@@ -329,6 +332,59 @@ def _buffers(reached, unreached, concrete, their_inputs):
     return [(b, b.copy()) for b in bufs]
 
 
+def refuse_written(heads):
+    """Before a backward from ``heads``: refused where it reaches, per sample, a
+    kept call whose concrete input was written in place after its merged
+    launch ran (``kept.WRITTEN``)."""
+    if not WRITTEN:
+        return
+    g = current_graph()
+    mine = {}
+    for k, (n, shape) in list(WRITTEN.items()):
+        if not n.inputs:
+            WRITTEN.pop(k, None)        # released: no backward reaches it
+        elif n.graph is g:
+            mine[k] = (n, shape)
+    if not mine:
+        return
+    try:
+        todo = []
+        for h in heads:
+            if type(h) is not LazyArray:
+                raise _Unknown()
+            q = _producer(h)
+            if type(q) is Node:
+                todo.append(q)
+            elif type(q) is Composite:
+                todo.extend(q.nodes)
+            else:
+                raise _Unknown()
+        seen = set()
+        while todo:
+            n = todo.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            if id(n) in mine:
+                _refuse_write(*mine[id(n)])
+            _walk_inputs(n, todo.append)
+    except _Unknown:
+        # a head computed outside jitbatch: not followed, as keep_unreached. (A
+        # released call has no kept call behind it: release frees every kept flush)
+        return
+
+
+def _refuse_write(node, shape):
+    raise NotDifferentiableError(
+        "an array of shape %s that %s (recorded at %s) read was written in place after the "
+        "call ran merged with other samples' rows, and before this backward: per sample "
+        "MXNet's backward would read the array's new values, the merged launch's backward "
+        "reads the rows it gathered at the flush, so the gradients would differ. Fix: write "
+        "the new values to a new array (x = nd.zeros_like(x), or x.copy()) instead of into "
+        "the one the call read, or run the backward before the write."
+        % (shape, node.info.name, node.site or "?"))
+
+
 def put_back(kept, frees):
     """After the backward ``keep_unreached`` saw coming: the kept buffers get
     their values back. A backward that ``frees`` its graph (no
@@ -355,3 +411,4 @@ def put_back(kept, frees):
                 READ_HEADS.pop(k, None)
         if g.retired and not g.executing and keeps_recorded(g):
             g.release()
+        forget_writes(g)

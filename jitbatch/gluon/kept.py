@@ -6,10 +6,20 @@ before any backward could keep tasks apart. Such a flush keeps its nodes'
 inputs (``execute.keeps_inputs``), and a lazy array a read computes notes its
 node here, so that a later backward from it can still be walked per sample
 (``history.keep_unreached``). A backward that frees its graph ends both
-(``history.put_back``)."""
+(``history.put_back``).
+
+An in-place write between such a flush and the backward (``x[:] = 0`` on a
+sample's input) would differ silently: per sample, MXNet's backward reads the
+array's new values; merged, the launch read rows gathered from it at the
+flush, and its backward reads those. ``note_write`` notes the kept calls that
+read the written memory merged with other samples' rows, and a backward that
+reaches one is refused (``history.refuse_written``)."""
 import weakref
 
-from ..graph import Graph
+from mxnet.ndarray import NDArray
+
+from ..graph import Graph, Node, Ref
+from . import _mxapi
 
 #: lazy arrays read while their recorded node kept its inputs: id -> (weak
 #: reference, node); a backward that frees its graph drops its thread's, and
@@ -46,3 +56,64 @@ def keeps_recorded(g):
     read then frees nothing."""
     gr: Graph = g
     return gr.sharing is None and bool(gr.retired) and kept_for_backward(gr.retired[-1])
+
+
+#: kept recorded calls, merged with other samples' rows, whose concrete input
+#: was written in place after their flush: id -> (node, the input's shape)
+WRITTEN = {}
+_SPANS = {}     # id of a graph -> (its kept flushes' ids, [(start, end, node, shape)])
+
+
+def note_write(g, target):
+    """An in-place write to concrete ``target`` in the thread of graph ``g``:
+    the kept recorded calls whose launch read its memory merged with other
+    samples' rows go in ``WRITTEN`` (module docstring)."""
+    gr: Graph = g
+    lists = [lst for lst in gr.retired if kept_for_backward(lst)]
+    if not lists:
+        return
+    mine = _mxapi.memory_span(target)
+    if mine is None or mine[0] == mine[1]:
+        return
+    token = tuple(map(id, lists))
+    got = _SPANS.get(id(g))
+    if got is None or got[0] != token:
+        got = _SPANS[id(g)] = (token, _merged_reads(lists))
+    for k, (n, _) in list(WRITTEN.items()):
+        if not n.inputs:
+            WRITTEN.pop(k, None)    # released since: no backward reaches it
+    lo, hi = mine
+    for start, end, n, shape in got[1]:
+        if start < hi and lo < end:
+            WRITTEN[id(n)] = (n, shape)
+
+
+def _merged_reads(lists):
+    """The memory spans of the concrete inputs of the calls in ``lists`` that
+    ran in a launch of two or more rows (one of a single row reads the array
+    itself, as MXNet's backward does)."""
+    out = []
+    n: Node
+    rows = {}       # id of a launch -> its calls (its size counts filler rows too)
+    for lst in lists:
+        for n in lst:
+            if n.group is not None:
+                rows[id(n.group)] = rows.get(id(n.group), 0) + 1
+    for lst in lists:
+        for n in lst:
+            if rows.get(id(n.group), 0) < 2:
+                continue
+            for x in n.inputs:
+                if isinstance(x, NDArray) and not isinstance(x, Ref):
+                    span = _mxapi.memory_span(x)
+                    if span is not None and span[0] != span[1]:
+                        out.append((span[0], span[1], n, tuple(x.shape)))
+    return out
+
+
+def forget_writes(g):
+    """Graph ``g``'s kept calls are released (a backward freed them)."""
+    _SPANS.pop(id(g), None)
+    for k, (n, _) in list(WRITTEN.items()):
+        if n.graph is g or not n.inputs:
+            WRITTEN.pop(k, None)

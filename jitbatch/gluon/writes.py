@@ -28,6 +28,7 @@ from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Graph, Node, current_graph
 from . import _mxapi
 from .executors import is_param
+from .kept import note_write
 from .lazy import LazyArray, k_of, node_of, value_of
 
 
@@ -142,6 +143,8 @@ def before_write(target):
         refuse_if_read_elsewhere(target, g)
     if g.nodes and not g.executing:
         _run_readers(g, target, param)
+    if g.retired and type(target) is not LazyArray:
+        note_write(g, target)       # kept recorded calls that read it: see kept.py
     if g.aliased:
         before_aliased_write(target)
     if _EXPORTED and type(threading.current_thread()).__name__ != "_DummyThread" and \
