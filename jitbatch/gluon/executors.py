@@ -19,7 +19,7 @@ from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
 
 from ..errors import BatchingError
-from . import _mxapi, gather
+from . import _mxapi, gather, opkeys
 from .axis_rules import RANDOM
 from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
@@ -301,21 +301,26 @@ class OpExec(object):
         if n == 1:
             return _mxapi.run_op(self.handle, [x], self.keys, [batch[0].lifted])
         shape, dtype = self.in_meta[0]
+        ragged = shape[0] is None      # (opkeys.ragged_lead): each row gets its node's scalar
         size = 1
-        for d in shape:
+        for d in (shape[1:] if ragged else shape):
             size *= d
         col = np.array([node.lifted for node in batch], dtype=np.float64)
+        if ragged:
+            col = np.repeat(col, [node.rows for node in batch])
+        m = len(col)
         if np.dtype(dtype).itemsize < 4:
             # MXNet makes a half-precision scalar through float32 (half_t(float)):
             # rounded straight from the double, a number near a half-precision
             # midpoint came out one unit apart
             col = col.astype(np.float32)
-        col = col.astype(dtype).reshape((n, 1))
+        col = col.astype(dtype).reshape((m, 1))
         col = _mxapi.host_array(col, self.ctx, dtype)
-        rows = _mxapi.reshape(x, (n, size))
+        rows = _mxapi.reshape(x, (m, size))
         handle, first = self.lift
         out = _mxapi.run_op(handle, [col, rows] if first else [rows, col], [], [])[0]
-        return [_mxapi.reshape(out, flat_shape(self.out_meta[0][0], n))]
+        return [_mxapi.reshape(out, (m,) + tuple(self.out_meta[0][0][1:]) if ragged else
+                               flat_shape(self.out_meta[0][0], n))]
 
     def _vals(self, count):
         """The call's attribute values for ``count`` inputs (a variadic sum's)."""
@@ -339,7 +344,8 @@ class OpExec(object):
                 outs = self._batched(gather.gather_batch(batch), n)
             if not self.checked and n > 1:
                 for o, m in zip(outs, self.out_meta):
-                    if o.shape != flat_shape(m[0], n):
+                    if o.shape != (flat_shape(m[0], n) if m[0][0] is not None else
+                                   (batch[0].group.rows,) + tuple(m[0][1:])):
                         raise AssertionError(
                             "jitbatch bug: batching rule %s of %s gave shape %s for %d samples "
                             "of per-sample shape %s" % (self.kind, self.name, o.shape, n, m[0]))
@@ -357,6 +363,75 @@ class OpExec(object):
         ins = [x.reshape((n,) + pad) for x, pad in zip(ins, self.pads)]
         outs = _mxapi.run_op(self.handle, ins, self.bkeys, self.bvals)
         return [o.reshape(flat_shape(m[0], n)) for o, m in zip(outs, self.out_meta)]
+
+
+def ragged_exec(ex, lead, out_meta):
+    """For operator executor ``ex``, whose call's arguments share leading length
+    ``lead``, the executor of its ragged signature (``opkeys.ragged_lead``)
+    and that signature's output metas: where it maps rows to rows, ``ex``'s
+    operator on the samples' rows as recorded; where it reduces each sample's
+    rows, a ``SegmentExec``. None where neither holds."""
+    if opkeys.rowwise(ex, lead, out_meta):
+        out_meta = opkeys.unled(out_meta)
+        return OpExec(ex.handle, ex.name, ("elemwise", ex.keys, ex.vals, None), ex.keys, ex.vals,
+                      opkeys.unled(ex.in_meta), out_meta, ex.ctx, ex.mode, False,
+                      ex.lift), out_meta
+    fill = opkeys.segment_fill(ex)
+    if fill is None:
+        return None
+    return SegmentExec(ex, fill), out_meta
+
+
+_MEAN_BY = {}   # "sum", "broadcast_div": the handles a mean's segment launch runs
+
+
+class SegmentExec(OpExec):
+    """Runs a reduction over axis 0 of each sample's own rows (``mean(axis=0)``
+    of a ``(T, E)`` sequence): the samples' rows gathered one after the other
+    are laid out as ``(N, longest, ...)``, the shorter ones padded at the
+    front with a value that leaves the reduction's running state as it starts
+    (``opkeys.REDUCTIONS``: 0 for sums, 1 for products, -inf / +inf for max /
+    min), so that each sample's result is its own as per sample (MXNet
+    reduces an axis in order); a mean is a sum divided by the sample's own
+    length, as MXNet's mean is."""
+    __slots__ = ("fill", "pad_row")
+
+    def __init__(self, ex, fill):
+        OpExec.__init__(self, ex.handle, ex.name, ("stacked", ex.bkeys, ex.bvals, ex.pads),
+                        ex.keys, ex.vals, opkeys.unled(ex.in_meta), ex.out_meta, ex.ctx,
+                        ex.mode)
+        self.fill = fill
+        self.pad_row = None
+
+    def launch(self, batch):
+        n = len(batch)
+        lengths = [node.inputs[0].shape[0] for node in batch]
+        longest = max(lengths)
+        idx = np.zeros((n, longest), dtype=np.int64)     # 0: the pad row
+        at = 1
+        for i, t in enumerate(lengths):
+            idx[i, longest - t:] = np.arange(at, at + t)
+            at += t
+        shape, dtype = self.in_meta[0]
+        if self.pad_row is None:
+            with autograd.pause():      # a constant, whatever the flush's recording state
+                self.pad_row = _mxapi.host_array(
+                    np.full((1,) + tuple(shape[1:]), self.fill, dtype=dtype), self.ctx, dtype)
+        if not _MEAN_BY:
+            _MEAN_BY.update(sum=_mxapi.op_handle("sum"), div=_mxapi.op_handle("broadcast_div"))
+        with self.ctx, _mxapi.mode_scope(self.mode):
+            rows = gather.gather_batch(batch)[0]
+            padded = _mxapi.take(_mxapi.concat([self.pad_row, rows]),
+                                 _mxapi.host_array(idx, self.ctx, np.int64))
+            mean = self.name == "mean"
+            out = _mxapi.run_op(_MEAN_BY["sum"] if mean else self.handle, [padded], self.bkeys,
+                                self.bvals)[0]
+            if mean:
+                col = np.array(lengths, dtype=dtype).reshape((n,) + (1,) * (len(out.shape) - 1))
+                out = _mxapi.run_op(_MEAN_BY["div"], [out, _mxapi.host_array(col, self.ctx, dtype)],
+                                    [], [])[0]
+            out = _mxapi.reshape(out, flat_shape(self.out_meta[0][0], n))
+        finish(batch, [out])
 
 
 class CopyExec(OpExec):

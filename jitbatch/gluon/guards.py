@@ -166,7 +166,7 @@ def make_attach_grad(orig):
         # (the calls' own arguments only: telling views apart would wait for
         # the array's producer, in a loop that attaches a gradient per sample)
         if g.nodes and g.reads.get(id(self)) is self:
-            before_write(self)
+            before_write(self, values=False)
         res = orig(self, *args, **kwargs)
         note_attached(self)
         return res

@@ -9,10 +9,17 @@ every call does:
   the shorter calls with rows of -0.0 (``gather.prepare``);
 * the Python number of a scalar operator (``x / len(children)``): each node
   holds its own (``Node.lifted``) and a launch applies the broadcasting twin
-  to a column of them (``executors.OpExec``)."""
+  to a column of them (``executors.OpExec``);
+* the leading length that every argument of a row-wise operator shares (a
+  sample's own sequence length: ``nd.tanh(emb)`` of a ``(T, E)`` embedding):
+  its signature is *ragged* (``ragged_lead``; ``signatures.op_signature``
+  keeps it where the operator's rule maps rows to rows whatever their
+  number), and a launch runs the operator on the samples' rows one after the
+  other, each node owning its own rows of the outputs."""
 import numpy as np
 
 from . import _mxapi
+from .rules import broadcasts, parse_attr
 
 #: operators summing any number of equally shaped inputs. x + -0.0 is x in IEEE
 #: arithmetic, -0.0 and NaN included. MXNet 1.9.1 sums 3 or 4 inputs right to
@@ -57,6 +64,125 @@ def left_out(handle, keys, vals, vkey, metas):
     if lift is not None:
         return LIFTED, (None,), metas, lift
     return False, vkey, metas, None
+
+
+def ragged_lead(metas, loose):
+    """The leading length every argument of an operator call shares, where it
+    is more than 1 and no arity is left out of the key; else None. (Calls
+    of one row keep their exact signature: the common per-row case stays as
+    it was.)"""
+    if is_sum(loose) or not metas:
+        return None
+    first = metas[0][0]
+    if not first or first[0] is None or first[0] < 2:
+        return None
+    lead = first[0]
+    for m in metas:
+        s = m[0]
+        if not s or s[0] != lead:
+            return None
+    return lead
+
+
+def unled(metas):
+    """``metas`` with their leading length left out (None)."""
+    return tuple([((None,) + tuple(m[0][1:]),) + tuple(m[1:]) for m in metas])
+
+
+#: reshapes that keep axis 0 whatever its length when their output keeps it
+#: (``Reshape`` and ``reshape`` are left out: their target may count rows)
+ROW_RESHAPES = ("expand_dims", "squeeze", "Flatten", "flatten")
+
+#: operators acting along one axis attribute -> (its name, its default): row
+#: by row where that axis is not 0 (``rules.one_axis``)
+ONE_AXIS = {"softmax": ("axis", -1), "log_softmax": ("axis", -1), "slice_axis": ("axis", None),
+            "SliceChannel": ("axis", 1), "split": ("axis", 1), "flip": ("axis", None),
+            "reverse": ("axis", None), "sort": ("axis", -1), "argsort": ("axis", -1),
+            "concat": ("dim", 1), "Concat": ("dim", 1), "pick": ("axis", -1),
+            "topk": ("axis", -1)}
+
+#: reductions: row by row over axes other than 0; over axis 0, each sample's
+#: own rows (``executors.SegmentExec``, where a value is given: the one a
+#: padded row takes, which leaves the reduction's running state as it starts)
+REDUCTIONS = {"sum": 0.0, "sum_axis": 0.0, "nansum": 0.0, "mean": 0.0, "prod": 1.0,
+              "nanprod": 1.0, "max": -np.inf, "max_axis": -np.inf, "min": np.inf,
+              "min_axis": np.inf, "norm": None, "argmax": None, "argmin": None}
+
+
+def rowwise(ex, lead, out_meta):
+    """Whether operator executor ``ex`` (a signature whose arguments share
+    leading length ``lead``) maps rows to rows whatever their number, judged
+    by its rule and attributes, never by ``lead``: an elementwise rule (same
+    shapes, ``batch_dot``, ``one_hot``), a lifted scalar operator, a
+    broadcasting one between arrays of one rank (so along other axes), a
+    re-view that keeps axis 0, or an operator acting along axes other than
+    0; every output keeping ``lead`` (checked)."""
+    kind, name = ex.kind, ex.name
+    if ex.lift is None and kind != "elemwise" and \
+            not (kind == "reshape" and name in ROW_RESHAPES) and \
+            not (kind == "stacked" and _off_axis_0(name, ex.keys, ex.vals, ex.in_meta)):
+        return False
+    for m in out_meta:
+        if not m[0] or m[0][0] != lead:
+            return False
+    return True
+
+
+def _off_axis_0(name, keys, vals, in_meta):
+    """Whether a 'stacked' operator call acts along other axes than 0 only."""
+    rank = len(in_meta[0][0])
+    if broadcasts(name):
+        return all(len(m[0]) == rank for m in in_meta)
+    attrs = dict(zip(keys, vals))
+    if name in ONE_AXIS or name in REDUCTIONS:
+        attr, default = ONE_AXIS.get(name, ("axis", None))
+        axes = _axes(attrs.get(attr), default, rank)
+        return axes is not None and 0 not in axes and \
+            parse_attr(attrs.get("exclude", "False")) is not True
+    if name == "transpose":
+        axes = _axes(attrs.get("axes"), None, rank)
+        return axes is not None and len(axes) == rank and axes[0] == 0
+    if name == "slice":
+        firsts = [_first(attrs.get(k)) for k in ("begin", "end", "step")]
+        return firsts[0] is None and firsts[1] is None and firsts[2] in (None, 1)
+    return False
+
+
+def _axes(value, default, rank):
+    """The normalized axes of an attribute's string ``value`` (``default``
+    where absent); None where absent without a default, empty (all) or bad."""
+    axis = default if value is None else parse_attr(str(value))
+    if axis is None or axis == ():
+        return None
+    out = []
+    for a in (axis if isinstance(axis, (tuple, list)) else (axis,)):
+        if not isinstance(a, int) or not -rank <= a < rank:
+            return None
+        out.append(a % rank)
+    return tuple(out)
+
+
+def _first(value):
+    """The first entry of a slice attribute (``begin``/``end``/``step``)."""
+    v = parse_attr(str(value)) if value is not None else None
+    if isinstance(v, (tuple, list)):
+        return v[0] if v else None
+    return v
+
+
+def segment_fill(ex):
+    """For a reduction over axis 0 (and perhaps others) of one floating-point
+    argument, ``ex``'s executor, the value that pads its samples' rows
+    (``REDUCTIONS``); else None."""
+    fill = REDUCTIONS.get(ex.name)
+    if fill is None or ex.kind != "stacked" or len(ex.in_meta) != 1 or \
+            np.dtype(ex.in_meta[0][1]).kind != "f":
+        return None
+    attrs = dict(zip(ex.keys, ex.vals))
+    if parse_attr(attrs.get("exclude", "False")) is True:
+        return None
+    axes = _axes(attrs.get("axis"), None, len(ex.in_meta[0][0]))
+    return fill if axes is not None and 0 in axes else None
 
 
 def is_sum(loose):

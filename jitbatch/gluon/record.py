@@ -268,11 +268,19 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     _note_reads(g, ndargs)
     if gr.sharing is not None:
         note_sample(gr.sharing, None, ndargs)
-    node = gr.add(info, tuple(ndargs), site(), mode_)
-    if info.op.lift is not None:    # its scalar is the node's, not the signature's
-        node.lifted = vals[0]
     ctx = mc[0][2]
-    outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(info.out_meta)]
+    si: SigInfo = info
+    out_meta = si.out_meta
+    if out_meta and out_meta[0][0] and out_meta[0][0][0] is None:   # ragged (opkeys): outputs keep the lead
+        lead = mc[0][0][0]
+        node = gr.add(info, tuple(ndargs), site(), mode_, lead)
+        outs = [new_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
+                for k, m in enumerate(out_meta)]
+    else:
+        node = gr.add(info, tuple(ndargs), site(), mode_)
+        outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(out_meta)]
+    if si.op.lift is not None:    # its scalar is the node's, not the signature's
+        node.lifted = vals[0]
     maybe_autoflush(g)
     if len(outs) == 1 and not output_is_list:
         return outs[0]

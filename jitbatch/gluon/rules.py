@@ -103,6 +103,11 @@ def _broadcasting(attrs, keys, vals, ins, outs):
     return ("stacked", keys, vals, [(1,) * (rank - len(s)) + s for s in ins])
 
 
+def broadcasts(name):
+    """Whether operator ``name`` is a broadcasting binary one (``broadcast``)."""
+    return RULES.get(name) is _broadcasting
+
+
 def broadcast(names):
     """Broadcasting binary operators: elementwise when the shapes agree, else
     each input rank-padded to the largest and stacked along a new batch axis."""

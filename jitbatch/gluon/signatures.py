@@ -33,7 +33,7 @@ from ..graph import current_graph
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
-                        watch_params)
+                        ragged_exec, watch_params)
 from .flags import Unhybridized, pad_names
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
@@ -175,6 +175,13 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
     except TypeError:
         vkey = tuple(str(v) for v in vals)
     loose, vkey, kmetas, lift = opkeys.left_out(handle, keys, vals, vkey, metas)
+    lead = opkeys.ragged_lead(kmetas, loose)
+    if lead is not None:     # a row-wise operator's calls merge whatever their lengths
+        rkey = (OP, handle, tuple(keys), vkey, opkeys.unled(kmetas), mode, output_is_list,
+                RAGGED)
+        info = TABLE.get(rkey)
+        if info is not None and info is not _NOT_RAGGED:
+            return info
     # every argument's context is in the key (as for blocks), so a call mixing
     # contexts never reuses a signature whose first call passed the check
     key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, loose)
@@ -216,11 +223,18 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
         # MXNet's _maximum_scalar is _npi_maximum_scalar by name, which has none)
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta,
                                                    rule is not None or lift is not None, name))
+    if lead is not None and TABLE.get(rkey) is None:
+        # its operator maps rows to rows, or reduces each sample's rows: ragged
+        made = ragged_exec(info.op, lead, info.out_meta) if info.batchable else None
+        if made is not None:
+            return TABLE.add(rkey, lambda sid: new_info(sid, rkey, made[0], made[1], True,
+                                                        info.name))
+        TABLE.add(rkey, lambda sid: _NOT_RAGGED)
     return info
 
 
 # -- blocks -------------------------------------------------------------------------------
-_NOT_RAGGED = object()   # TABLE's entry for a ragged key whose block is not ragged
+_NOT_RAGGED = object()   # TABLE's entry for a ragged key whose block (operator) is not ragged
 
 
 def block_signature(block, allargs, flat, fmt, fkey, mode, exact):

@@ -129,12 +129,14 @@ def _in_exported(target):
     return False
 
 
-def before_write(target):
+def before_write(target, values=True):
     """An in-place write to ``target`` is about to run: if a pending call of this
     thread reads it (a concrete argument, a parameter of a recorded block, a
     lazy array), the pending graph runs first, so it computes with the value
     it was called with, as per-sample code does (inside ``autograd.record``
-    MXNet then refuses the write, as it refuses it per sample). Composites and
+    MXNet then refuses the write, as it refuses it per sample); a write of
+    ``values`` is noted for the backward of kept calls (``kept.note_write``;
+    not ``attach_grad``, which changes none). Composites and
     views that read its memory when computed are computed first
     (:func:`before_aliased_write`)."""
     g: Graph = current_graph()
@@ -143,7 +145,7 @@ def before_write(target):
         refuse_if_read_elsewhere(target, g)
     if g.nodes and not g.executing:
         _run_readers(g, target, param)
-    if g.retired and type(target) is not LazyArray:
+    if values and g.retired and type(target) is not LazyArray:
         note_write(g, target)       # kept recorded calls that read it: see kept.py
     if g.aliased:
         before_aliased_write(target)
