@@ -361,7 +361,8 @@ class OpExec(object):
         if self.kind == "reshape":
             return [nd.reshape(ins[0], shape=flat_shape(self.out_meta[0][0], n))]
         ins = [x.reshape((n,) + pad) for x, pad in zip(ins, self.pads)]
-        outs = _mxapi.run_op(self.handle, ins, self.bkeys, self.bvals)
+        handle = self.handle if self.kind != "batch_dot" else _mxapi.op_handle("batch_dot")
+        outs = _mxapi.run_op(handle, ins, self.bkeys, self.bvals)
         return [o.reshape(flat_shape(m[0], n)) for o, m in zip(outs, self.out_meta)]
 
 

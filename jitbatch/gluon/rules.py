@@ -8,7 +8,9 @@ per signature, ``rule_for(name, keys, vals, in_shapes, out_shapes)``, and is
 * ``reshape``: the flat data is re-viewed (``Reshape`` and its kin);
 * ``stacked``: each input is viewed as ``(N, *pads[i])``, axis attributes
   shifted past the new batch axis (``keys``/``vals`` are the batched call's),
-  and the result flattened back.
+  and the result flattened back;
+* ``batch_dot``: ``dot`` of two matrices per sample, run as ONE ``batch_dot``
+  of the inputs viewed as ``(N, *pads[i])`` (its transposes as given).
 
 Rules are registered per operator name by family helpers, so adding an
 operator is one line below. An operator with no rule still stays lazy: it runs
@@ -225,6 +227,15 @@ def leading(names):
     _register(names, _leading)
 
 
+def _dot(attrs, keys, vals, ins, outs):
+    # a product of two matrices per sample: N of them are one batch_dot of
+    # (N, m, k) by (N, k, n), which takes the same transpose attributes
+    if len(ins) != 2 or len(ins[0]) != 2 or len(ins[1]) != 2 or \
+            attrs.get("forward_stype") not in (None, "None"):
+        return None
+    return ("batch_dot", keys, vals, ins)
+
+
 def _expanding(attrs, keys, vals, ins, outs):
     # one input, each element mapped to a block of the same trailing shape
     # (one_hot): the output is the input's shape plus trailing axes
@@ -285,5 +296,6 @@ for _name, _attr, _default, _rank in (
         ("stack", "axis", 0, "out"), ("pick", "axis", -1, "in"), ("topk", "axis", -1, "in")):
     one_axis(_name, _attr, _default, _rank)
 RULES["transpose"] = _transpose
+RULES["dot"] = _dot
 RULES["slice"] = _slice
 RULES["Dropout"] = _dropout
