@@ -62,6 +62,13 @@ class Rows(gluon.Block):
             e = nd.transpose(h.expand_dims(axis=2), axes=(0, 2, 1))      # (T, 1, 6)
             h = nd.concat(e[:, :, 0:3], nd.flip(e, axis=2)[:, :, 3:], dim=2).flatten()
             h = nd.slice_axis(h, axis=1, begin=0, end=6) * nd.sort(h, axis=1)
+        elif self.mixing == "single_rows":
+            # the sample's own single rows against its rows: a query, a gate
+            q = nd.tanh(self.head(nd.mean(h, axis=0, keepdims=True)))        # (1, 3)
+            q = nd.concat(q, q, dim=1)                                       # (1, 6)
+            h = nd.broadcast_mul(h, q) + nd.broadcast_maximum(q * 0.5, h) - q
+            s = nd.sum(h * q, axis=1, keepdims=True)                         # (T, 1)
+            h = h * nd.softmax(s, axis=0)
         elif self.mixing == "pools":
             # each sample's rows reduced (segment reductions): sum, max, min, prod
             p = nd.sum(h, axis=0, keepdims=True) + nd.max(h, axis=0, keepdims=True) - \
@@ -82,7 +89,7 @@ def _apply(net, ids):
 
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("mixing", [None, "softmax0", "transpose", "expand0", "reshape",
-                                    "along_rows", "pools"])
+                                    "along_rows", "pools", "single_rows"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_row_operators_on_sequences_of_any_length_equal_plain_gluon(policy, mixing, train):
     samples = _samples(0)
@@ -152,6 +159,20 @@ def test_operators_along_other_axes_and_pools_merge_whatever_the_lengths(policy)
         # sum: per row (along_rows) or the pool's, with the final mean's own
         assert seen.get("sum") == 2, (mixing, seen)
         net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+def test_single_rows_against_a_samples_rows_merge_whatever_the_lengths(policy):
+    """Counters: a broadcast between each sample's rows ``(T, 6)`` and a
+    single row of the same sample ``(1, 6)`` (a query, a gate) runs in two
+    launches (the single-row sample apart), its single rows repeated per row
+    of their sample; one launch per length before."""
+    net = initialized(Rows("single_rows", prefix="rows_"))
+    net.hybridize(dynamic_batch=True, policy=policy)
+    seen = _launches_by_name(net, _samples(1))
+    # (each used once per sample, at one depth)
+    assert seen.get("broadcast_maximum") == 2 and seen.get("broadcast_sub") == 2, seen
+    net.hybridize(active=False)
 
 
 @pytest.mark.parametrize("mixing", ["softmax0", "transpose", "expand0"])

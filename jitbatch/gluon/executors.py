@@ -19,7 +19,7 @@ from mxnet import ndarray as nd
 from mxnet.gluon.block import _flatten, _regroup
 
 from ..errors import BatchingError
-from . import _mxapi, gather, opkeys
+from . import _mxapi, gather, opkeys, rules
 from .axis_rules import RANDOM
 from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
@@ -372,15 +372,39 @@ def ragged_exec(ex, lead, out_meta):
     and that signature's output metas: where it maps rows to rows, ``ex``'s
     operator on the samples' rows as recorded; where it reduces each sample's
     rows, a ``SegmentExec``. None where neither holds."""
+    ones = opkeys.single_rows(ex.in_meta, lead)
+    if ones and not rules.broadcasts(ex.name):
+        return None     # only a broadcast pairs a sample's single rows with its rows
     if opkeys.rowwise(ex, lead, out_meta):
-        out_meta = opkeys.unled(out_meta)
-        return OpExec(ex.handle, ex.name, ("elemwise", ex.keys, ex.vals, None), ex.keys, ex.vals,
-                      opkeys.unled(ex.in_meta), out_meta, ex.ctx, ex.mode, False,
-                      ex.lift), out_meta
+        out_meta = opkeys.unled(out_meta, lead)
+        return (RowRepeatExec if ones else OpExec)(
+            ex.handle, ex.name, ("elemwise", ex.keys, ex.vals, None), ex.keys, ex.vals,
+            opkeys.unled(ex.in_meta, lead), out_meta, ex.ctx, ex.mode, False, ex.lift), out_meta
     fill = opkeys.segment_fill(ex)
     if fill is None:
         return None
-    return SegmentExec(ex, fill), out_meta
+    return SegmentExec(ex, fill, lead), out_meta
+
+
+class RowRepeatExec(OpExec):
+    """A broadcasting operator between each sample's rows and single rows of
+    the same sample (``h * q``: ``h`` ``(T, E)``, ``q`` ``(1, E)``), on
+    samples of any ``T``: the single rows gathered one per sample are taken
+    once per row of their sample, then the operator runs on the samples' rows
+    as recorded (a broadcast over a sample's rows is that row repeated)."""
+    __slots__ = ()
+
+    def launch(self, batch):
+        n = len(batch)
+        with self.ctx, _mxapi.mode_scope(self.mode):
+            ins = gather.gather_batch(batch)
+            if n > 1:
+                at = _mxapi.host_array(np.repeat(np.arange(n), [node.rows for node in batch]),
+                                       self.ctx, np.int64)
+                ins = [_mxapi.take(x, at) if m[0][0] is not None else x
+                       for x, m in zip(ins, self.in_meta)]
+            outs = _mxapi.run_op(self.handle, ins, self.keys, self.vals)
+        finish(batch, outs)
 
 
 _MEAN_BY = {}   # "sum", "broadcast_div": the handles a mean's segment launch runs
@@ -395,14 +419,16 @@ class SegmentExec(OpExec):
     min), so that each sample's result is its own as per sample (MXNet
     reduces an axis in order); a mean is a sum divided by the sample's own
     length, as MXNet's mean is."""
-    __slots__ = ("fill", "pad_row")
+    __slots__ = ("fill", "pad_row", "per_row")
 
-    def __init__(self, ex, fill):
+    def __init__(self, ex, fill, lead):
         OpExec.__init__(self, ex.handle, ex.name, ("stacked", ex.bkeys, ex.bvals, ex.pads),
-                        ex.keys, ex.vals, opkeys.unled(ex.in_meta), ex.out_meta, ex.ctx,
+                        ex.keys, ex.vals, opkeys.unled(ex.in_meta, lead), ex.out_meta, ex.ctx,
                         ex.mode)
         self.fill = fill
         self.pad_row = None
+        # entries a row adds to a reduced output entry (the other reduced axes' sizes)
+        self.per_row = opkeys.reduced_per_row(ex)
 
     def launch(self, batch):
         n = len(batch)
@@ -428,7 +454,10 @@ class SegmentExec(OpExec):
             out = _mxapi.run_op(_MEAN_BY["sum"] if mean else self.handle, [padded], self.bkeys,
                                 self.bvals)[0]
             if mean:
-                col = np.array(lengths, dtype=dtype).reshape((n,) + (1,) * (len(out.shape) - 1))
+                # each sample's count of reduced entries: its rows times the
+                # sizes of the other reduced axes (a mean over axes (0, 1))
+                col = np.array(lengths, dtype=np.int64) * self.per_row
+                col = col.astype(dtype).reshape((n,) + (1,) * (len(out.shape) - 1))
                 out = _mxapi.run_op(_MEAN_BY["div"], [out, _mxapi.host_array(col, self.ctx, dtype)],
                                     [], [])[0]
             out = _mxapi.reshape(out, flat_shape(self.out_meta[0][0], n))

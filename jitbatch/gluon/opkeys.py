@@ -19,7 +19,7 @@ every call does:
 import numpy as np
 
 from . import _mxapi
-from .rules import broadcasts, parse_attr
+from .rules import broadcasts, parse_attr, true_attr
 
 #: operators summing any number of equally shaped inputs. x + -0.0 is x in IEEE
 #: arithmetic, -0.0 and NaN included. MXNet 1.9.1 sums 3 or 4 inputs right to
@@ -67,26 +67,34 @@ def left_out(handle, keys, vals, vkey, metas):
 
 
 def ragged_lead(metas, loose):
-    """The leading length every argument of an operator call shares, where it
-    is more than 1 and no arity is left out of the key; else None. (Calls
-    of one row keep their exact signature: the common per-row case stays as
-    it was.)"""
+    """The leading length of two or more that the arguments of an operator
+    call share (some may have one row instead: a sample's single row against
+    its rows, ``h * q``), where no arity is left out of the key; else None.
+    (Calls of one row keep their exact signature: the common per-row case
+    stays as it was.)"""
     if is_sum(loose) or not metas:
         return None
-    first = metas[0][0]
-    if not first or first[0] is None or first[0] < 2:
-        return None
-    lead = first[0]
+    lead = 0
     for m in metas:
         s = m[0]
-        if not s or s[0] != lead:
+        if not s or s[0] is None:
             return None
-    return lead
+        if s[0] != 1:
+            if lead and s[0] != lead:
+                return None
+            lead = s[0]
+    return lead if lead >= 2 else None
 
 
-def unled(metas):
-    """``metas`` with their leading length left out (None)."""
-    return tuple([((None,) + tuple(m[0][1:]),) + tuple(m[1:]) for m in metas])
+def unled(metas, lead):
+    """``metas`` with leading length ``lead`` left out (None) where they have it."""
+    return tuple([((None,) + tuple(m[0][1:]),) + tuple(m[1:]) if m[0] and m[0][0] == lead
+                  else tuple(m) for m in metas])
+
+
+def single_rows(metas, lead):
+    """The positions of the arguments with one row among others of ``lead``."""
+    return tuple([i for i, m in enumerate(metas) if m[0][0] != lead])
 
 
 #: reshapes that keep axis 0 whatever its length when their output keeps it
@@ -137,8 +145,7 @@ def _off_axis_0(name, keys, vals, in_meta):
     if name in ONE_AXIS or name in REDUCTIONS:
         attr, default = ONE_AXIS.get(name, ("axis", None))
         axes = _axes(attrs.get(attr), default, rank)
-        return axes is not None and 0 not in axes and \
-            parse_attr(attrs.get("exclude", "False")) is not True
+        return axes is not None and 0 not in axes and not true_attr(attrs.get("exclude"))
     if name == "transpose":
         axes = _axes(attrs.get("axes"), None, rank)
         return axes is not None and len(axes) == rank and axes[0] == 0
@@ -170,6 +177,19 @@ def _first(value):
     return v
 
 
+def reduced_per_row(ex):
+    """For a reduction over axis 0 (``segment_fill``), the entries one row of
+    a sample adds to each output entry: the product of the sizes of its other
+    reduced axes (1 where axis 0 is the only one)."""
+    attrs = dict(zip(ex.keys, ex.vals))
+    shape = ex.in_meta[0][0]
+    count = 1
+    for a in _axes(attrs.get("axis"), None, len(shape)):
+        if a:
+            count *= shape[a]
+    return count
+
+
 def segment_fill(ex):
     """For a reduction over axis 0 (and perhaps others) of one floating-point
     argument, ``ex``'s executor, the value that pads its samples' rows
@@ -179,7 +199,7 @@ def segment_fill(ex):
             np.dtype(ex.in_meta[0][1]).kind != "f":
         return None
     attrs = dict(zip(ex.keys, ex.vals))
-    if parse_attr(attrs.get("exclude", "False")) is True:
+    if true_attr(attrs.get("exclude")):
         return None
     axes = _axes(attrs.get("axis"), None, len(ex.in_meta[0][0]))
     return fill if axes is not None and 0 in axes else None

@@ -272,7 +272,7 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     si: SigInfo = info
     out_meta = si.out_meta
     if out_meta and out_meta[0][0] and out_meta[0][0][0] is None:   # ragged (opkeys): outputs keep the lead
-        lead = mc[0][0][0]
+        lead = max([m[0][0] for m in mc])      # (beside single rows: opkeys.ragged_lead)
         node = gr.add(info, tuple(ndargs), site(), mode_, lead)
         outs = [new_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
                 for k, m in enumerate(out_meta)]

@@ -44,6 +44,12 @@ def parse_attr(v):
     return got
 
 
+def true_attr(value):
+    """Whether a boolean operator attribute is set: MXNet reads 1, true and
+    True alike (a parsed value or its string)."""
+    return value is not None and str(value).strip().lower() in ("1", "true")
+
+
 def _norm_axes(axis, ndim):
     axes = axis if isinstance(axis, (tuple, list)) else (axis,)
     out = []
@@ -142,7 +148,7 @@ def _reducing(name):
         nd_in = len(ins[0])
         axis = attrs.get("axis", None)
         if axis is None or axis == ():
-            if attrs.get("exclude") or name in ("argmax", "argmin"):
+            if true_attr(attrs.get("exclude")) or name in ("argmax", "argmin"):
                 return None
             axes = tuple(range(nd_in))
         else:
@@ -150,7 +156,7 @@ def _reducing(name):
             if axes is None:
                 return None
         new = tuple(a + 1 for a in axes)
-        if attrs.get("exclude"):
+        if true_attr(attrs.get("exclude")):
             new = (0,) + new
         if name == "norm" and len(new) > 2:
             return None

@@ -177,7 +177,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
     loose, vkey, kmetas, lift = opkeys.left_out(handle, keys, vals, vkey, metas)
     lead = opkeys.ragged_lead(kmetas, loose)
     if lead is not None:     # a row-wise operator's calls merge whatever their lengths
-        rkey = (OP, handle, tuple(keys), vkey, opkeys.unled(kmetas), mode, output_is_list,
+        rkey = (OP, handle, tuple(keys), vkey, opkeys.unled(kmetas, lead), mode, output_is_list,
                 RAGGED)
         info = TABLE.get(rkey)
         if info is not None and info is not _NOT_RAGGED:
