@@ -175,18 +175,64 @@ def test_single_rows_against_a_samples_rows_merge_whatever_the_lengths(policy):
     net.hybridize(active=False)
 
 
-@pytest.mark.parametrize("mixing", ["softmax0", "transpose", "expand0"])
+@pytest.mark.parametrize("mixing", ["transpose", "expand0"])
 def test_operators_mixing_a_samples_rows_keep_one_launch_per_length(mixing):
     """Counters: the mixing operator runs once per distinct length (9), as before."""
     net = initialized(Rows(mixing, prefix="rows_"))
     net.hybridize(dynamic_batch=True, policy="depth")
     seen = _launches_by_name(net, _samples(1))
-    name = {"softmax0": "softmax", "transpose": "transpose", "expand0": "expand_dims"}[mixing]
+    name = {"transpose": "transpose", "expand0": "expand_dims"}[mixing]
     lengths = len(set(LENGTHS))
     # h.T.T: two transposes; expand_dims at axis 0 beside the row-wise one at axis 1
-    want = {"softmax0": lengths, "transpose": 2 * lengths, "expand0": lengths + 2}[mixing]
+    want = {"transpose": 2 * lengths, "expand0": lengths + 2}[mixing]
     assert seen.get(name) == want, (name, want, seen)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+def test_softmax_over_each_samples_rows_merges_whatever_the_lengths(policy):
+    """Counters: a softmax over axis 0 of each sample's rows (attention weights
+    over its tokens) runs as a segment launch: two launches (the single-row
+    sample apart), one per length before (9)."""
+    net = initialized(Rows("softmax0", prefix="rows_"))
+    net.hybridize(dynamic_batch=True, policy=policy)
+    seen = _launches_by_name(net, _samples(1))
+    assert seen.get("softmax") == 2, seen
     net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_over_each_samples_rows_bit_for_bit(op):
+    """The rows padded at the front with -inf: the maximum is the rows', the
+    pads add exp(-inf) = 0 to the sum first; each sample's outputs equal its
+    per-sample ones bit for bit, inf, NaN and -0.0 in the rows included, and
+    with a temperature."""
+    rng = np.random.default_rng(4)
+    xs = []
+    for i, t in enumerate(LENGTHS[:-1] + [2, 11, 4]):
+        a = (rng.normal(size=(t, 3)) * 3).astype(np.float32)
+        if i % 3 == 0:
+            a[-1, :3] = [np.inf, -np.inf, np.nan]
+        if i % 4 == 1:
+            a[0, :] = -0.0
+        if i % 5 == 2:
+            a[:, 1] = -np.inf
+        xs.append(a)
+
+    class Ident(gluon.HybridBlock):
+        def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+            return F.identity(x)
+    flagged = Ident()
+    flagged.hybridize(dynamic_batch=True, policy="depth")
+    fn = getattr(nd, op)
+    for kw in ({"axis": 0}, {"axis": -2, "temperature": 2.5}):
+        want = [fn(nd.array(a), **kw).asnumpy() for a in xs]
+        STATS.reset()
+        got = [fn(flagged(nd.array(a)), **kw) for a in xs]
+        got = [g.asnumpy() for g in got]
+        assert jitbatch.stats()["launches"] == 4, jitbatch.stats()["launches"]
+        for i, (a, b) in enumerate(zip(want, got)):
+            np.testing.assert_array_equal(b, a, err_msg="sample %d %s" % (i, kw))
+            assert (np.signbit(a) == np.signbit(b)).all(), i
 
 
 def test_ragged_launch_outputs_are_the_per_sample_rows_bit_for_bit():

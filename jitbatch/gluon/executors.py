@@ -383,7 +383,9 @@ def ragged_exec(ex, lead, out_meta):
     fill = opkeys.segment_fill(ex)
     if fill is None:
         return None
-    return SegmentExec(ex, fill, lead), out_meta
+    if ex.name in opkeys.SEGMENT_NORMS:     # outputs: the samples' rows again
+        out_meta = opkeys.unled(out_meta, lead)
+    return SegmentExec(ex, fill, lead, out_meta), out_meta
 
 
 class RowRepeatExec(OpExec):
@@ -418,17 +420,19 @@ class SegmentExec(OpExec):
     (``opkeys.REDUCTIONS``: 0 for sums, 1 for products, -inf / +inf for max /
     min), so that each sample's result is its own as per sample (MXNet
     reduces an axis in order); a mean is a sum divided by the sample's own
-    length, as MXNet's mean is."""
+    count, as MXNet's mean is. A softmax over axis 0 (``opkeys.SEGMENT_NORMS``)
+    is padded with -inf (its exp adds 0 to the sum; the maximum is the
+    rows'), and its outputs' real rows are taken back, ragged."""
     __slots__ = ("fill", "pad_row", "per_row")
 
-    def __init__(self, ex, fill, lead):
+    def __init__(self, ex, fill, lead, out_meta):
         OpExec.__init__(self, ex.handle, ex.name, ("stacked", ex.bkeys, ex.bvals, ex.pads),
-                        ex.keys, ex.vals, opkeys.unled(ex.in_meta, lead), ex.out_meta, ex.ctx,
+                        ex.keys, ex.vals, opkeys.unled(ex.in_meta, lead), out_meta, ex.ctx,
                         ex.mode)
         self.fill = fill
         self.pad_row = None
         # entries a row adds to a reduced output entry (the other reduced axes' sizes)
-        self.per_row = opkeys.reduced_per_row(ex)
+        self.per_row = opkeys.reduced_per_row(ex) if ex.name == "mean" else 1
 
     def launch(self, batch):
         n = len(batch)
@@ -460,7 +464,13 @@ class SegmentExec(OpExec):
                 col = col.astype(dtype).reshape((n,) + (1,) * (len(out.shape) - 1))
                 out = _mxapi.run_op(_MEAN_BY["div"], [out, _mxapi.host_array(col, self.ctx, dtype)],
                                     [], [])[0]
-            out = _mxapi.reshape(out, flat_shape(self.out_meta[0][0], n))
+            if self.out_meta[0][0][0] is None:      # a normalisation: rows again
+                real = (np.arange(n)[:, None] * longest +
+                        np.arange(longest)[None, :])[idx > 0]
+                out = _mxapi.take(_mxapi.reshape(out, (n * longest,) + tuple(out.shape[2:])),
+                                  _mxapi.host_array(real, self.ctx, np.int64))
+            else:
+                out = _mxapi.reshape(out, flat_shape(self.out_meta[0][0], n))
         finish(batch, [out])
 
 

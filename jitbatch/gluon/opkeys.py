@@ -177,6 +177,12 @@ def _first(value):
     return v
 
 
+#: operators normalising over axis 0 of each sample's rows (attention
+#: weights over a sample's tokens): padded like a reduction, with -inf (its
+#: exp adds 0), their outputs the samples' rows again
+SEGMENT_NORMS = ("softmax", "log_softmax")
+
+
 def reduced_per_row(ex):
     """For a reduction over axis 0 (``segment_fill``), the entries one row of
     a sample adds to each output entry: the product of the sizes of its other
@@ -191,14 +197,17 @@ def reduced_per_row(ex):
 
 
 def segment_fill(ex):
-    """For a reduction over axis 0 (and perhaps others) of one floating-point
-    argument, ``ex``'s executor, the value that pads its samples' rows
-    (``REDUCTIONS``); else None."""
-    fill = REDUCTIONS.get(ex.name)
+    """For a reduction over axis 0 (and perhaps others), or a normalisation
+    over axis 0 (``SEGMENT_NORMS``), of one floating-point argument, ``ex``'s
+    executor, the value that pads its samples' rows (``REDUCTIONS``); else None."""
+    fill = -np.inf if ex.name in SEGMENT_NORMS else REDUCTIONS.get(ex.name)
     if fill is None or ex.kind != "stacked" or len(ex.in_meta) != 1 or \
             np.dtype(ex.in_meta[0][1]).kind != "f":
         return None
     attrs = dict(zip(ex.keys, ex.vals))
+    if ex.name in SEGMENT_NORMS:
+        axes = _axes(attrs.get("axis"), -1, len(ex.in_meta[0][0]))
+        return fill if axes == (0,) and not true_attr(attrs.get("use_length")) else None
     if true_attr(attrs.get("exclude")):
         return None
     axes = _axes(attrs.get("axis"), None, len(ex.in_meta[0][0]))
