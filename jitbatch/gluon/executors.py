@@ -452,7 +452,10 @@ class SegmentExec(OpExec):
             _MEAN_BY.update(sum=_mxapi.op_handle("sum"), div=_mxapi.op_handle("broadcast_div"))
         with self.ctx, _mxapi.mode_scope(self.mode):
             rows = gather.gather_batch(batch)[0]
-            padded = _mxapi.take(_mxapi.concat([self.pad_row, rows]),
+            # the pad row through a view of its own: recorded, the view gets the
+            # autograd entry, so a backward that frees this launch's graph does
+            # not clear the one another recording (a thread's) holds
+            padded = _mxapi.take(_mxapi.concat([_mxapi.rows(self.pad_row, 0, 1), rows]),
                                  _mxapi.host_array(idx, self.ctx, np.int64))
             mean = self.name == "mean"
             out = _mxapi.run_op(_MEAN_BY["sum"] if mean else self.handle, [padded], self.bkeys,
