@@ -46,7 +46,7 @@ from ..errors import first_line
 from ..graph import Composite, Node, Ref, current_graph, only_sinks, reached_from, sever
 from .gradients import NO_GRADIENT
 from .kept import (READ_HEADS, WRITTEN, forget_writes, kept_for_backward, keeps_recorded,
-                   read_node)
+                   read_node, written_in)
 from .lazy import DETACHED, LazyArray, NotDifferentiableError, node_of
 
 _MARKED = [0]   # outputs marked so far: until one is, a backward reaching all is not followed
@@ -244,32 +244,48 @@ def keep_unreached(heads):
         return None
 
 
-def _keep_unreached(g, heads):
+def _head_nodes(heads):
+    """The nodes behind lazy ``heads`` (a composite's parts); _Unknown where a
+    head was computed outside jitbatch."""
     starts = []
     for h in heads:
         if type(h) is not LazyArray:
-            return None           # computed outside jitbatch: not followed
+            raise _Unknown()
         q = _producer(h)
         if type(q) is Node:
             starts.append(q)
         elif type(q) is Composite:
             starts.extend(q.nodes)
         else:
-            return None
+            raise _Unknown()
+    return starts
+
+
+def _per_sample(starts, visit):
+    """Per sample, every call ``starts`` read, directly or through others:
+    ``visit(n)`` once each, before its inputs are followed; their concrete
+    inputs returned."""
+    seen = set()
+    concrete = []
+    todo = list(starts)
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        visit(n)
+        concrete += _walk_inputs(n, todo.append)
+    return concrete
+
+
+def _keep_unreached(g, heads):
+    starts = _head_nodes(heads)
     kept = [n for lst in g.retired for n in lst]
     head_ids = {id(n) for n in starts}
     if only_sinks(kept, head_ids) and only_sinks(g.nodes, head_ids):
         return None       # every call feeds a head: the backward reaches them all
-    # per sample: every call the heads read, directly or through others
     reached = {}
-    concrete = []
-    todo = starts
-    while todo:
-        n = todo.pop()
-        if id(n) in reached:
-            continue
-        reached[id(n)] = n
-        concrete += _walk_inputs(n, todo.append)
+    concrete = _per_sample(starts, lambda n: reached.__setitem__(id(n), n))
     # merged: every launch of those calls, and every launch any of its rows reads
     members = {}
     for lst in g.retired:
@@ -338,36 +354,15 @@ def refuse_written(heads):
     launch ran (``kept.WRITTEN``)."""
     if not WRITTEN:
         return
-    g = current_graph()
-    mine = {}
-    for k, (n, shape) in list(WRITTEN.items()):
-        if not n.inputs:
-            WRITTEN.pop(k, None)        # released: no backward reaches it
-        elif n.graph is g:
-            mine[k] = (n, shape)
+    mine = written_in(current_graph())
     if not mine:
         return
+
+    def visit(n):
+        if id(n) in mine:
+            _refuse_write(*mine[id(n)])
     try:
-        todo = []
-        for h in heads:
-            if type(h) is not LazyArray:
-                raise _Unknown()
-            q = _producer(h)
-            if type(q) is Node:
-                todo.append(q)
-            elif type(q) is Composite:
-                todo.extend(q.nodes)
-            else:
-                raise _Unknown()
-        seen = set()
-        while todo:
-            n = todo.pop()
-            if id(n) in seen:
-                continue
-            seen.add(id(n))
-            if id(n) in mine:
-                _refuse_write(*mine[id(n)])
-            _walk_inputs(n, todo.append)
+        _per_sample(_head_nodes(heads), visit)
     except _Unknown:
         # a head computed outside jitbatch: not followed, as keep_unreached. (A
         # released call has no kept call behind it: release frees every kept flush)

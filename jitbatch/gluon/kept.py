@@ -79,9 +79,7 @@ def note_write(g, target):
     got = _SPANS.get(id(g))
     if got is None or got[0] != token:
         got = _SPANS[id(g)] = (token, _merged_reads(lists))
-    for k, (n, _) in list(WRITTEN.items()):
-        if not n.inputs:
-            WRITTEN.pop(k, None)    # released since: no backward reaches it
+    written_in(g)       # (the released calls dropped)
     lo, hi = mine
     for start, end, n, shape in got[1]:
         if start < hi and lo < end:
@@ -111,9 +109,20 @@ def _merged_reads(lists):
     return out
 
 
+def written_in(g, drop=False):
+    """``WRITTEN``'s entries of graph ``g`` (``{id: (node, shape)}``), the
+    released calls' dropped first (no backward reaches them); ``drop``: g's
+    go too (a backward freed its kept calls)."""
+    mine = {}
+    for k, (n, shape) in list(WRITTEN.items()):
+        if not n.inputs or (drop and n.graph is g):
+            WRITTEN.pop(k, None)
+        elif n.graph is g:
+            mine[k] = (n, shape)
+    return mine
+
+
 def forget_writes(g):
     """Graph ``g``'s kept calls are released (a backward freed them)."""
     _SPANS.pop(id(g), None)
-    for k, (n, _) in list(WRITTEN.items()):
-        if n.graph is g or not n.inputs:
-            WRITTEN.pop(k, None)
+    written_in(g, drop=True)
