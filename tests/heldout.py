@@ -1,5 +1,6 @@
 """Helpers of the held-out model tests (tests/test_heldout*.py): seeded
-generators and initial values, the warnings and counters they assert on, and
+generators and initial values, the warnings and counters (launches) they
+assert on, and
 a fresh interpreter for programs that crash MXNet or leave it an error."""
 import os
 import subprocess
@@ -13,6 +14,8 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 import jitbatch
+import jitbatch.execute as execute
+from jitbatch.stats import STATS
 from oracle import cleanup
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -124,6 +127,32 @@ def row_sequences(rng, n, width):
 
 def contract_warnings(record):
     return [str(w.message) for w in record if issubclass(w.category, jitbatch.ContractWarning)]
+
+
+def launches_of(fn):
+    """``[(signature name, calls), ...]``, one per launch, of the flushes
+    while ``fn()`` runs (``fn`` flushes); the counters reset before."""
+    seen = []
+    orig = execute._launch
+
+    def counting(f, backend, split):
+        seen.extend((batch[0].info.name, len(batch)) for batch in f.batches)
+        return orig(f, backend, split)
+    execute._launch = counting
+    try:
+        STATS.reset()
+        fn()
+    finally:
+        execute._launch = orig
+    return seen
+
+
+def launches_by_name(fn):
+    """Launches per signature name while ``fn()`` runs (``launches_of``)."""
+    by = {}
+    for name, _ in launches_of(fn):
+        by[name] = by.get(name, 0) + 1
+    return by
 
 
 def merged(st):

@@ -11,10 +11,9 @@ import pytest
 from mxnet import gluon, nd
 
 import jitbatch
-import jitbatch.execute as execute
 
 from harness import assert_same, run
-from heldout import initialized
+from heldout import initialized, launches_of
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 TRANSPOSES = [(False, False), (False, True), (True, False), (True, True)]
@@ -77,19 +76,13 @@ def test_one_launch_per_shape_and_transposes(transpose):
               rng.normal(size=b_shape).astype(np.float32)) for _ in range(12)]
     want = [nd.dot(nd.array(a), nd.array(b), transpose_a=ta, transpose_b=tb).asnumpy()
             for a, b in pairs]
-    seen = []
-    orig = execute._launch
+    got = []
 
-    def counting(f, backend, split):
-        seen.extend((b[0].info.name, len(b)) for b in f.batches)
-        return orig(f, backend, split)
-    execute._launch = counting
-    try:
-        got = [nd.dot(ident(nd.array(a)), ident(nd.array(b)), transpose_a=ta, transpose_b=tb)
-               for a, b in pairs]
-        got = [g.asnumpy() for g in got]
-    finally:
-        execute._launch = orig
+    def run():
+        lazy = [nd.dot(ident(nd.array(a)), ident(nd.array(b)), transpose_a=ta, transpose_b=tb)
+                for a, b in pairs]
+        got.extend(g.asnumpy() for g in lazy)
+    seen = launches_of(run)
     assert [n for n in seen if n[0] == "dot"] == [("dot", 12)], seen
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

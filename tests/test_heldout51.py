@@ -29,12 +29,11 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 import jitbatch
-import jitbatch.execute as execute
-from jitbatch.stats import STATS
 
 from harness import assert_same, run
-from heldout import (both, flag, grads_of, initialized, nothing_pending,  # noqa: F401
-                     rng_for, run_in_subprocess, same_values, train_minibatches)
+from heldout import (both, flag, grads_of, initialized, launches_by_name,  # noqa: F401
+                     nothing_pending, rng_for, run_in_subprocess, same_values,
+                     train_minibatches)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 V, E, C = 20, 6, 3      # vocabulary, embedding width, classes
@@ -55,23 +54,6 @@ def _token_samples(key, lengths=None):
             for t in lengths]
 
 
-def _launches_by_name(fn):
-    """Launches per operator name while ``fn()`` runs (it flushes)."""
-    seen = {}
-    orig = execute._launch
-
-    def counting(f, backend, split):
-        for batch in f.batches:
-            name = batch[0].info.name
-            seen[name] = seen.get(name, 0) + 1
-        return orig(f, backend, split)
-    execute._launch = counting
-    try:
-        STATS.reset()
-        fn()
-    finally:
-        execute._launch = orig
-    return seen
 
 
 # -- models --------------------------------------------------------------------------------
@@ -628,7 +610,7 @@ def test_pools_and_row_operators_run_in_one_launch_per_signature(policy):
     net = initialized(GatedPools(prefix="gp_"))
     flag(net, policy)
     try:
-        seen = _launches_by_name(
+        seen = launches_by_name(
             lambda: nd.concat(*[net(s[0]) for s in samples], dim=0).asnumpy())
     finally:
         flag(net, None)
@@ -648,7 +630,7 @@ def test_attention_dots_merge_per_length_softmax_per_length(policy):
     net = initialized(SelfAttention(prefix="sa_"))
     flag(net, policy)
     try:
-        seen = _launches_by_name(
+        seen = launches_by_name(
             lambda: nd.concat(*[net(s[0]) for s in samples], dim=0).asnumpy())
     finally:
         flag(net, None)
@@ -670,7 +652,7 @@ def test_prefix_pools_run_in_two_launches(policy):
     net = initialized(Prefix(prefix="pf_"))
     flag(net, policy)
     try:
-        seen = _launches_by_name(
+        seen = launches_by_name(
             lambda: nd.concat(*[net(s[0]) for s in samples], dim=0).asnumpy())
     finally:
         flag(net, None)

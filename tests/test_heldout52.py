@@ -16,12 +16,10 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 import jitbatch
-import jitbatch.execute as execute
 from jitbatch.gluon.lazy import NotDifferentiableError
-from jitbatch.stats import STATS
 
-from heldout import (both, flag, grads_of, merged, nothing_pending,  # noqa: F401
-                     params_of, rng_for, same_values)
+from heldout import (both, flag, grads_of, launches_by_name, merged,  # noqa: F401
+                     nothing_pending, params_of, rng_for, same_values)
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -330,22 +328,6 @@ def test_input_written_in_place_before_backward(policy):
 
 # --- launch counts -----------------------------------------------------------------------------
 
-def _launches_by_name(fn):
-    seen = {}
-    orig = execute._launch
-
-    def counting(f, backend, split):
-        for batch in f.batches:
-            name = batch[0].info.name
-            seen[name] = seen.get(name, 0) + 1
-        return orig(f, backend, split)
-    execute._launch = counting
-    try:
-        STATS.reset()
-        fn()
-    finally:
-        execute._launch = orig
-    return seen
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
@@ -356,7 +338,7 @@ def test_segment_launches_across_chunks(policy, config_restored):
     net.hybridize(dynamic_batch=True, policy=policy)
     xs = samples("count", lengths=[2, 3, 4, 5, 6, 7, 8, 9, 10])
     try:
-        seen = _launches_by_name(
+        seen = launches_by_name(
             lambda: nd.concat(*[net(x)[0] for x in xs], dim=0).asnumpy())
     finally:
         net.hybridize(active=False)

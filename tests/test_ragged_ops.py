@@ -20,7 +20,7 @@ import jitbatch
 from jitbatch.stats import STATS
 
 from harness import assert_same, run
-from heldout import initialized
+from heldout import initialized, launches_by_name
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 LENGTHS = [3, 7, 4, 3, 9, 2, 5, 7, 1, 6]
@@ -101,23 +101,8 @@ def test_row_operators_on_sequences_of_any_length_equal_plain_gluon(policy, mixi
 
 
 def _launches_by_name(net, samples):
-    """Launches per operator name of one flush of ``samples``' calls."""
-    import jitbatch.execute as execute
-    seen = {}
-    orig = execute._launch
-
-    def counting(f, backend, split):
-        for batch in f.batches:
-            name = batch[0].info.name
-            seen[name] = seen.get(name, 0) + 1
-        return orig(f, backend, split)
-    execute._launch = counting
-    try:
-        STATS.reset()
-        nd.concat(*[net(ids) for ids in samples], dim=0).asnumpy()
-    finally:
-        execute._launch = orig
-    return seen
+    """Launches per signature name of one flush of ``samples``' calls."""
+    return launches_by_name(lambda: nd.concat(*[net(ids) for ids in samples], dim=0).asnumpy())
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda"])
