@@ -417,7 +417,7 @@ class SegmentExec(OpExec):
     of a ``(T, E)`` sequence): the samples' rows gathered one after the other
     are laid out as ``(N, longest, ...)``, the shorter ones padded at the
     front with a value that leaves the reduction's running state as it starts
-    (``opkeys.REDUCTIONS``: 0 for sums, 1 for products, -inf / +inf for max /
+    (``opkeys.SEGMENT_FILLS``: 0 for sums, 1 for products, -inf / +inf for max /
     min), so that each sample's result is its own as per sample (MXNet
     reduces an axis in order); a mean is a sum divided by the sample's own
     count, as MXNet's mean is. A softmax over axis 0 (``opkeys.SEGMENT_NORMS``)

@@ -19,7 +19,7 @@ every call does:
 import numpy as np
 
 from . import _mxapi
-from .rules import broadcasts, parse_attr, true_attr
+from .rules import ONE_AXIS, REDUCING, broadcasts, parse_attr, true_attr
 
 #: operators summing any number of equally shaped inputs. x + -0.0 is x in IEEE
 #: arithmetic, -0.0 and NaN included. MXNet 1.9.1 sums 3 or 4 inputs right to
@@ -101,20 +101,12 @@ def single_rows(metas, lead):
 #: (``Reshape`` and ``reshape`` are left out: their target may count rows)
 ROW_RESHAPES = ("expand_dims", "squeeze", "Flatten", "flatten")
 
-#: operators acting along one axis attribute -> (its name, its default): row
-#: by row where that axis is not 0 (``rules.one_axis``)
-ONE_AXIS = {"softmax": ("axis", -1), "log_softmax": ("axis", -1), "slice_axis": ("axis", None),
-            "SliceChannel": ("axis", 1), "split": ("axis", 1), "flip": ("axis", None),
-            "reverse": ("axis", None), "sort": ("axis", -1), "argsort": ("axis", -1),
-            "concat": ("dim", 1), "Concat": ("dim", 1), "pick": ("axis", -1),
-            "topk": ("axis", -1)}
-
-#: reductions: row by row over axes other than 0; over axis 0, each sample's
-#: own rows (``executors.SegmentExec``, where a value is given: the one a
-#: padded row takes, which leaves the reduction's running state as it starts)
-REDUCTIONS = {"sum": 0.0, "sum_axis": 0.0, "nansum": 0.0, "mean": 0.0, "prod": 1.0,
-              "nanprod": 1.0, "max": -np.inf, "max_axis": -np.inf, "min": np.inf,
-              "min_axis": np.inf, "norm": None, "argmax": None, "argmin": None}
+#: the value a padded row takes in a reduction over each sample's rows
+#: (``executors.SegmentExec``), which leaves the reduction's running state as
+#: it starts; the others of ``rules.REDUCING`` reduce row by row only
+SEGMENT_FILLS = {"sum": 0.0, "sum_axis": 0.0, "nansum": 0.0, "mean": 0.0, "prod": 1.0,
+                 "nanprod": 1.0, "max": -np.inf, "max_axis": -np.inf, "min": np.inf,
+                 "min_axis": np.inf}
 
 
 def rowwise(ex, lead, out_meta):
@@ -142,8 +134,10 @@ def _off_axis_0(name, keys, vals, in_meta):
     if broadcasts(name):
         return all(len(m[0]) == rank for m in in_meta)
     attrs = dict(zip(keys, vals))
-    if name in ONE_AXIS or name in REDUCTIONS:
-        attr, default = ONE_AXIS.get(name, ("axis", None))
+    if name in ONE_AXIS or name in REDUCING:
+        attr, default, rank_of = ONE_AXIS.get(name, ("axis", None, "in"))
+        if rank_of != "in":
+            return False        # (stack: its axis counts in the output's rank)
         axes = _axes(attrs.get(attr), default, rank)
         return axes is not None and 0 not in axes and not true_attr(attrs.get("exclude"))
     if name == "transpose":
@@ -199,8 +193,8 @@ def reduced_per_row(ex):
 def segment_fill(ex):
     """For a reduction over axis 0 (and perhaps others), or a normalisation
     over axis 0 (``SEGMENT_NORMS``), of one floating-point argument, ``ex``'s
-    executor, the value that pads its samples' rows (``REDUCTIONS``); else None."""
-    fill = -np.inf if ex.name in SEGMENT_NORMS else REDUCTIONS.get(ex.name)
+    executor, the value that pads its samples' rows (``SEGMENT_FILLS``); else None."""
+    fill = -np.inf if ex.name in SEGMENT_NORMS else SEGMENT_FILLS.get(ex.name)
     if fill is None or ex.kind != "stacked" or len(ex.in_meta) != 1 or \
             np.dtype(ex.in_meta[0][1]).kind != "f":
         return None

@@ -292,14 +292,20 @@ broadcast_logical_xor
 reshape("Reshape reshape expand_dims squeeze Flatten flatten")
 leading("batch_dot")
 expanding("one_hot")
-reduce("sum mean max min prod nansum nanprod norm sum_axis max_axis min_axis argmax argmin")
-for _name, _attr, _default, _rank in (
-        ("softmax", "axis", -1, "in"), ("log_softmax", "axis", -1, "in"),
-        ("slice_axis", "axis", None, "in"), ("SliceChannel", "axis", 1, "in"),
-        ("split", "axis", 1, "in"), ("flip", "axis", None, "in"),
-        ("reverse", "axis", None, "in"), ("sort", "axis", -1, "in"),
-        ("argsort", "axis", -1, "in"), ("concat", "dim", 1, "in"), ("Concat", "dim", 1, "in"),
-        ("stack", "axis", 0, "out"), ("pick", "axis", -1, "in"), ("topk", "axis", -1, "in")):
+#: reductions over an ``axis`` attribute (all axes where absent)
+REDUCING = tuple("sum mean max min prod nansum nanprod norm sum_axis max_axis min_axis "
+                 "argmax argmin".split())
+reduce(" ".join(REDUCING))
+#: operators acting along one axis attribute: name -> (the attribute, its
+#: default, the rank it counts in: 'in'put's or 'out'put's)
+ONE_AXIS = {"softmax": ("axis", -1, "in"), "log_softmax": ("axis", -1, "in"),
+            "slice_axis": ("axis", None, "in"), "SliceChannel": ("axis", 1, "in"),
+            "split": ("axis", 1, "in"), "flip": ("axis", None, "in"),
+            "reverse": ("axis", None, "in"), "sort": ("axis", -1, "in"),
+            "argsort": ("axis", -1, "in"), "concat": ("dim", 1, "in"),
+            "Concat": ("dim", 1, "in"), "stack": ("axis", 0, "out"),
+            "pick": ("axis", -1, "in"), "topk": ("axis", -1, "in")}
+for _name, (_attr, _default, _rank) in ONE_AXIS.items():
     one_axis(_name, _attr, _default, _rank)
 RULES["transpose"] = _transpose
 RULES["dot"] = _dot
