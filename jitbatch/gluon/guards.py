@@ -1,7 +1,8 @@
 """Guards on MXNet's functions that change what pending calls read, or look
 at what they recorded: this thread's pending calls run first (a parameter
 re-initialised, moved or cast, a child block added or replaced, an export,
-a seed, ``waitall``, a backward or ``autograd.grad`` of a concrete loss,
+a seed, ``waitall``, a backward or ``autograd.grad`` of a concrete loss, a
+block's deferred parameters made at its first trace (``finish_deferred``),
 ``attach_grad`` of an array they read, a kvstore pull into arrays they
 read), or the call is said in jitbatch's terms (a gradient of
 a gradient through launches, ``get_symbol`` of a merged output); pickling a
@@ -43,6 +44,35 @@ def pending_first(orig, reason):
         run_pending(reason)
         return orig(*args, **kwargs)
     return first
+
+
+def finish_deferred(block, args, out):
+    """Initialize the block's parameters that wait for their shapes (Gluon's
+    deferred initialization: no ``in_units``) at its first call, as plain Gluon
+    does, in the order its graph reads them: left to the first launch, their
+    initializers drew from the random stream at the flush, and a
+    ``load_parameters`` or ``initialize(force_reinit=True)`` between the two
+    was overwritten by the launch."""
+    waiting = [p for p in block.collect_params().values()
+               if p._deferred_init]  # pylint: disable=protected-access
+    if not waiting:
+        return
+    g = current_graph()
+    if g.nodes and not g.executing:
+        # the initializers' writes would run the pending calls first anyway;
+        # under jitbatch.map a park inside the initialization let the next
+        # sample trace this block with its parameters half made
+        if g.sharing is not None:
+            g.sharing.run_here("write")
+        else:
+            execute.run_graph(g, reason="write")
+    block._deferred_infer_shape(*args)  # pylint: disable=protected-access
+    order = {name: i for i, name in enumerate(out.list_inputs())}
+    waiting.sort(key=lambda p: order.get(p.name, len(order)))
+
+    for p in waiting:
+        if p._deferred_init:  # pylint: disable=protected-access
+            p._finish_deferred_init()  # pylint: disable=protected-access
 
 
 def make_initialize(orig):

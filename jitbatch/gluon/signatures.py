@@ -27,14 +27,14 @@ from mxnet import autograd
 from mxnet.base import MXNetError
 from mxnet.gluon.block import _flatten
 
-from .. import config as _config, execute
+from .. import config as _config
 from ..errors import BatchingError, ContractWarning, first_line
-from ..graph import current_graph
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
 from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
                         ragged_exec, watch_params)
 from .flags import Unhybridized, pad_names
+from .guards import finish_deferred
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients, opkeys
@@ -266,35 +266,6 @@ def block_signature(block, allargs, flat, fmt, fkey, mode, exact):
     return info
 
 
-def _finish_deferred(block, args, out):
-    """Initialize the block's parameters that wait for their shapes (Gluon's
-    deferred initialization: no ``in_units``) at its first call, as plain Gluon
-    does, in the order its graph reads them: left to the first launch, their
-    initializers drew from the random stream at the flush, and a
-    ``load_parameters`` or ``initialize(force_reinit=True)`` between the two
-    was overwritten by the launch."""
-    waiting = [p for p in block.collect_params().values()
-               if p._deferred_init]  # pylint: disable=protected-access
-    if not waiting:
-        return
-    g = current_graph()
-    if g.nodes and not g.executing:
-        # the initializers' writes would run the pending calls first anyway;
-        # under jitbatch.map a park inside the initialization let the next
-        # sample trace this block with its parameters half made
-        if g.sharing is not None:
-            g.sharing.run_here("write")
-        else:
-            execute.run_graph(g, reason="write")
-    block._deferred_infer_shape(*args)  # pylint: disable=protected-access
-    order = {name: i for i, name in enumerate(out.list_inputs())}
-    waiting.sort(key=lambda p: order.get(p.name, len(order)))
-
-    for p in waiting:
-        if p._deferred_init:  # pylint: disable=protected-access
-            p._finish_deferred_init()  # pylint: disable=protected-access
-
-
 def _padded_key(block, pad, fmt, mc, mode, fkey):
     """The signature key of a call to a block with zero-padded inputs: their
     sizes along the padded axes are left out of it."""
@@ -368,7 +339,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
                " (integer ids stay exact in float32 up to 2**24, and Embedding and take "
                "read float ids; where an operator wants integers, cast inside "
                "hybrid_forward: F.cast(x, 'int32'))" if ids else ""))
-    _finish_deferred(block, args, out)
+    finish_deferred(block, args, out)
     doubled = None     # why shapes cannot be inferred at twice the rows (None: they can)
     try:
         _, o1, _ = out.infer_shape_partial(**contract.used_inputs(out, names, shapes))
