@@ -63,6 +63,11 @@ class Rows(gluon.Block):
             e = nd.transpose(h.expand_dims(axis=2), axes=(0, 2, 1))      # (T, 1, 6)
             h = nd.concat(e[:, :, 0:3], nd.flip(e, axis=2)[:, :, 3:], dim=2).flatten()
             h = nd.slice_axis(h, axis=1, begin=0, end=6) * nd.sort(h, axis=1)
+        elif self.mixing == "indexing":
+            # NumPy-style basic indexing of columns, as users split gates
+            h = nd.concat(h[:, 3:], h[:, :3], dim=1) + h[:, -1:] * h[:, 0].expand_dims(1)
+            e = h.expand_dims(axis=1)                                     # (T, 1, 6)
+            h = h + e[:, 0, ::2].tile((1, 2)) - e[:, :, 1:3].flatten().tile((1, 3))
         elif self.mixing == "single_rows":
             # the sample's own single rows against its rows: a query, a gate
             q = nd.tanh(self.head(nd.mean(h, axis=0, keepdims=True)))        # (1, 3)
@@ -90,7 +95,7 @@ def _apply(net, ids):
 
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("mixing", [None, "softmax0", "transpose", "expand0", "reshape",
-                                    "along_rows", "pools", "single_rows"])
+                                    "along_rows", "pools", "single_rows", "indexing"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_row_operators_on_sequences_of_any_length_equal_plain_gluon(policy, mixing, train):
     samples = _samples(0)
@@ -145,6 +150,21 @@ def test_operators_along_other_axes_and_pools_merge_whatever_the_lengths(policy)
         # sum: per row (along_rows) or the pool's, with the final mean's own
         assert seen.get("sum") == 2, (mixing, seen)
         net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+def test_basic_indexing_of_columns_merges_whatever_the_lengths(policy):
+    """Counters: ``h[:, 3:]``, ``h[:, 0]``, ``e[:, 0, ::2]`` on each sample's
+    rows name the whole of axis 0 without its length (and drop an indexed
+    axis by a squeeze, not a reshape to the kept lengths), so each runs in two
+    launches (the single-row sample apart); one per length before (9)."""
+    net = initialized(Rows("indexing", prefix="rows_"))
+    net.hybridize(dynamic_batch=True, policy=policy)
+    seen = _launches_by_name(net, _samples(1))
+    # six slices, two of them followed by a squeeze (h[:, 0], e[:, 0, ::2])
+    assert seen.get("slice") == 12 and seen.get("squeeze") == 4, seen
+    assert seen.get("tile") == 4, seen
+    net.hybridize(active=False)
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda"])

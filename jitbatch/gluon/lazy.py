@@ -484,6 +484,10 @@ def _tuple_index(arr, key):
     for ax, k in enumerate(key):
         if isinstance(k, slice):
             b, e, s = k.indices(shape[ax])
+            if s == 1 and b == 0 and e == shape[ax]:
+                # a whole axis is named without its length, so that calls over
+                # sequences of any length share a signature (opkeys.rowwise)
+                b = e = None
             begin.append(b)
             # a negative step running past index 0 stops at -1, which MXNet's
             # slice reads as the last element: its "before the first" is None
@@ -499,9 +503,11 @@ def _tuple_index(arr, key):
             step.append(1)
             drop.append(ax)
     out = _nd.slice(arr, begin=tuple(begin), end=tuple(end), step=tuple(step))
-    if drop:
-        new_shape = tuple(d for ax, d in enumerate(out.shape) if ax not in drop) or (1,)
-        out = _nd.reshape(out, shape=new_shape)
+    if drop and len(drop) < len(shape):
+        # squeeze, not a reshape to the kept lengths: no length in the attributes
+        out = _nd.squeeze(out, axis=tuple(drop))
+    elif drop:
+        out = _nd.reshape(out, shape=(1,))    # MXNet 1.x: every axis indexed gives (1,)
     if type(out) is LazyArray and value_of(arr) is None:
         # recorded copies; MXNet's indexing may give a view: a write to either
         # first makes it MXNet's indexing of the source's value

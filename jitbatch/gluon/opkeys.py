@@ -143,6 +143,10 @@ def _off_axis_0(name, keys, vals, in_meta):
     if name == "transpose":
         axes = _axes(attrs.get("axes"), None, rank)
         return axes is not None and len(axes) == rank and axes[0] == 0
+    if name == "tile":      # (rules._tile: no more reps than axes)
+        reps = parse_attr(str(attrs.get("reps")))
+        reps = tuple(reps) if isinstance(reps, (tuple, list)) else (reps,)
+        return len(reps) < rank or reps[0] == 1
     if name == "slice":
         firsts = [_first(attrs.get(k)) for k in ("begin", "end", "step")]
         return firsts[0] is None and firsts[1] is None and firsts[2] in (None, 1)

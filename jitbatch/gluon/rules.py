@@ -196,6 +196,19 @@ def one_axis(name, attr, default, rank_of="in"):
     RULES[name] = rule
 
 
+def _tile(attrs, keys, vals, ins, outs):
+    # reps of the input's rank or fewer (padded with 1s in front, as MXNet
+    # does), and 1 for the new leading axis; more reps than the input has axes
+    # put new axes in front of the samples' rows: no rule
+    reps = attrs.get("reps", ())
+    reps = tuple(reps) if isinstance(reps, (tuple, list)) else (reps,)
+    rank = len(ins[0])
+    if len(reps) > rank or not all(isinstance(r, int) for r in reps):
+        return None
+    k2, v2 = _shifted(keys, vals, reps=str((1,) * (1 + rank - len(reps)) + reps))
+    return ("stacked", k2, v2, ins)
+
+
 def _transpose(attrs, keys, vals, ins, outs):
     nd_in = len(ins[0])
     axes = _norm_axes(attrs.get("axes") or tuple(reversed(range(nd_in))), nd_in)
@@ -308,6 +321,7 @@ ONE_AXIS = {"softmax": ("axis", -1, "in"), "log_softmax": ("axis", -1, "in"),
 for _name, (_attr, _default, _rank) in ONE_AXIS.items():
     one_axis(_name, _attr, _default, _rank)
 RULES["transpose"] = _transpose
+RULES["tile"] = _tile
 RULES["dot"] = _dot
 RULES["slice"] = _slice
 RULES["Dropout"] = _dropout
