@@ -68,6 +68,11 @@ class Rows(gluon.Block):
             h = nd.concat(h[:, 3:], h[:, :3], dim=1) + h[:, -1:] * h[:, 0].expand_dims(1)
             e = h.expand_dims(axis=1)                                     # (T, 1, 6)
             h = h + e[:, 0, ::2].tile((1, 2)) - e[:, :, 1:3].flatten().tile((1, 3))
+        elif self.mixing == "reshape_rows":
+            # reshapes keeping each row's own values: the rows kept (code 0 or
+            # a count that resolves to T), the other axes re-viewed
+            a = h.reshape((0, 2, 3)) + h.reshape((-1, 2, 3)) * nd.reshape(h, shape=(0, 2, -1))
+            h = a.reshape((-1, 6)) + nd.reshape(a, shape=(0, -3)) + a.reshape(0, -1)
         elif self.mixing == "single_rows":
             # the sample's own single rows against its rows: a query, a gate
             q = nd.tanh(self.head(nd.mean(h, axis=0, keepdims=True)))        # (1, 3)
@@ -95,7 +100,8 @@ def _apply(net, ids):
 
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("mixing", [None, "softmax0", "transpose", "expand0", "reshape",
-                                    "along_rows", "pools", "single_rows", "indexing"])
+                                    "along_rows", "pools", "single_rows", "indexing",
+                                    "reshape_rows"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_row_operators_on_sequences_of_any_length_equal_plain_gluon(policy, mixing, train):
     samples = _samples(0)
@@ -164,6 +170,27 @@ def test_basic_indexing_of_columns_merges_whatever_the_lengths(policy):
     # six slices, two of them followed by a squeeze (h[:, 0], e[:, 0, ::2])
     assert seen.get("slice") == 12 and seen.get("squeeze") == 4, seen
     assert seen.get("tile") == 4, seen
+    net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+def test_reshapes_keeping_the_rows_merge_whatever_the_lengths(policy):
+    """Counters: a ``Reshape`` whose target copies axis 0 (code 0; a lazy
+    array's ``reshape`` writes a target that resolves to the rows that way)
+    runs in two launches per target (the single-row sample apart), one per
+    length before (9). A target counting other rows (``(-1, 3)`` of ``(T,
+    6)``) keeps one launch per length."""
+    net = initialized(Rows("reshape_rows", prefix="rows_"))
+    net.hybridize(dynamic_batch=True, policy=policy)
+    seen = _launches_by_name(net, _samples(1))
+    # targets (0, 2, 3) (written so and resolved from (-1, 2, 3)), (0, 2, -1),
+    # (0, 6) (from (-1, 6) and (0, -1)), (0, -3); the one-row sample's six
+    # (its targets as written, codes resolved: one row keeps exact signatures)
+    assert seen.get("Reshape") == 4 + 6, seen
+    net = initialized(Rows("reshape", prefix="rows_"))
+    net.hybridize(dynamic_batch=True, policy=policy)
+    seen = _launches_by_name(net, _samples(1))
+    assert seen.get("Reshape") == 2 * len(set(LENGTHS)), seen
     net.hybridize(active=False)
 
 

@@ -98,7 +98,7 @@ def single_rows(metas, lead):
 
 
 #: reshapes that keep axis 0 whatever its length when their output keeps it
-#: (``Reshape`` and ``reshape`` are left out: their target may count rows)
+#: (``Reshape`` and ``reshape`` only where their target copies it: ``_copies_rows``)
 ROW_RESHAPES = ("expand_dims", "squeeze", "Flatten", "flatten")
 
 #: the value a padded row takes in a reduction over each sample's rows
@@ -119,13 +119,24 @@ def rowwise(ex, lead, out_meta):
     0; every output keeping ``lead`` (checked)."""
     kind, name = ex.kind, ex.name
     if ex.lift is None and kind != "elemwise" and \
-            not (kind == "reshape" and name in ROW_RESHAPES) and \
+            not (kind == "reshape" and (name in ROW_RESHAPES or _copies_rows(ex))) and \
             not (kind == "stacked" and _off_axis_0(name, ex.keys, ex.vals, ex.in_meta)):
         return False
     for m in out_meta:
         if not m[0] or m[0][0] != lead:
             return False
     return True
+
+
+def _copies_rows(ex):
+    """Whether a ``Reshape`` copies axis 0 (its target starts with the code 0,
+    read left to right): every other code then acts on the other axes only,
+    whatever the number of rows."""
+    attrs = dict(zip(ex.keys, ex.vals))
+    target = parse_attr(str(attrs.get("shape", "()")))
+    return isinstance(target, (tuple, list)) and len(target) > 0 and target[0] == 0 and \
+        not true_attr(attrs.get("reverse")) and \
+        parse_attr(str(attrs.get("target_shape", "()"))) in ((), [], None)
 
 
 def _off_axis_0(name, keys, vals, in_meta):
