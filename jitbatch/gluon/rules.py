@@ -209,6 +209,59 @@ def _tile(attrs, keys, vals, ins, outs):
     return ("stacked", k2, v2, ins)
 
 
+def _leaky(attrs, keys, vals, ins, outs):
+    # the element-wise kinds only: 'prelu' reads a slope per channel, 'rrelu'
+    # draws slopes, in another order when merged
+    if len(ins) != 1 or str(attrs.get("act_type", "leaky")) not in ("leaky", "elu", "selu",
+                                                                    "gelu"):
+        return None
+    return _same_elemwise(attrs, keys, vals, ins, outs)
+
+
+def _broadcast_to(attrs, keys, vals, ins, outs):
+    # a 0 keeps an input's length: the samples' axis is kept
+    shape = attrs.get("shape", ())
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    k2, v2 = _shifted(keys, vals, shape=str((0,) + shape))
+    return ("stacked", k2, v2, ins)
+
+
+def _broadcast_like(attrs, keys, vals, ins, outs):
+    # both inputs are the samples' own: the axes they name move past theirs
+    if len(ins) != 2 or len(ins[0]) != len(ins[1]):
+        return None
+    changes = {}
+    for attr, shape in (("lhs_axes", ins[0]), ("rhs_axes", ins[1])):
+        axes = attrs.get(attr)
+        if axes not in (None, "None"):
+            axes = _norm_axes(axes, len(shape))
+            if axes is None:
+                return None
+            changes[attr] = str(tuple(a + 1 for a in axes))
+    k2, v2 = _shifted(keys, vals, **changes)
+    return ("stacked", k2, v2, ins)
+
+
+def _swap_axes(attrs, keys, vals, ins, outs):
+    axes = _norm_axes((attrs.get("dim1", 0), attrs.get("dim2", 0)), len(ins[0]))
+    if axes is None:
+        return None
+    k2, v2 = _shifted(keys, vals, dim1=str(axes[0] + 1), dim2=str(axes[1] + 1))
+    return ("stacked", k2, v2, ins)
+
+
+def _gemm2(attrs, keys, vals, ins, outs):
+    # products over the last two axes (or around ``axis``), any leading axes
+    # being a batch: the samples' axis is one more
+    if len(ins) != 2 or len(ins[0]) != len(ins[1]) or len(ins[0]) < 2:
+        return None
+    axis = _norm_axes(attrs.get("axis", -2), len(ins[0]))
+    if axis is None:
+        return None
+    k2, v2 = _shifted(keys, vals, axis=str(axis[0] + 1))
+    return ("stacked", k2, v2, ins)
+
+
 def _transpose(attrs, keys, vals, ins, outs):
     nd_in = len(ins[0])
     axes = _norm_axes(attrs.get("axes") or tuple(reversed(range(nd_in))), nd_in)
@@ -293,7 +346,7 @@ _rpower_scalar _maximum_scalar _minimum_scalar _hypot_scalar _mod_scalar _rmod_s
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
 _lesser_equal_scalar _logical_and_scalar _logical_or_scalar _logical_xor_scalar logical_not
 add_n ElementWiseSum _equal _not_equal _greater _greater_equal _lesser _lesser_equal
-smooth_l1 hard_sigmoid where
+smooth_l1 hard_sigmoid where L2Normalization
 """)
 broadcast("""
 broadcast_add broadcast_sub broadcast_mul broadcast_div broadcast_plus broadcast_minus
@@ -317,11 +370,18 @@ ONE_AXIS = {"softmax": ("axis", -1, "in"), "log_softmax": ("axis", -1, "in"),
             "reverse": ("axis", None, "in"), "sort": ("axis", -1, "in"),
             "argsort": ("axis", -1, "in"), "concat": ("dim", 1, "in"),
             "Concat": ("dim", 1, "in"), "stack": ("axis", 0, "out"),
-            "pick": ("axis", -1, "in"), "topk": ("axis", -1, "in")}
+            "pick": ("axis", -1, "in"), "topk": ("axis", -1, "in"),
+            "repeat": ("axis", None, "in"), "broadcast_axis": ("axis", None, "in"),
+            "broadcast_axes": ("axis", None, "in"), "moments": ("axes", None, "in")}
 for _name, (_attr, _default, _rank) in ONE_AXIS.items():
     one_axis(_name, _attr, _default, _rank)
 RULES["transpose"] = _transpose
 RULES["tile"] = _tile
+RULES["LeakyReLU"] = _leaky
+RULES["broadcast_to"] = _broadcast_to
+RULES["broadcast_like"] = _broadcast_like
+RULES["SwapAxis"] = RULES["swapaxes"] = _swap_axes
+RULES["_linalg_gemm2"] = RULES["linalg_gemm2"] = _gemm2
 RULES["dot"] = _dot
 RULES["slice"] = _slice
 RULES["Dropout"] = _dropout
