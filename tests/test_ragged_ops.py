@@ -73,6 +73,9 @@ class Rows(gluon.Block):
             # a count that resolves to T), the other axes re-viewed
             a = h.reshape((0, 2, 3)) + h.reshape((-1, 2, 3)) * nd.reshape(h, shape=(0, 2, -1))
             h = a.reshape((-1, 6)) + nd.reshape(a, shape=(0, -3)) + a.reshape(0, -1)
+        elif self.mixing == "stack_rows":
+            # stacks of a sample's sequences along a new axis other than 0
+            h = nd.stack(h, h * 0.5, axis=1).sum(axis=1) + nd.stack(h, -h, h, axis=-1).max(axis=2)
         elif self.mixing == "single_rows":
             # the sample's own single rows against its rows: a query, a gate
             q = nd.tanh(self.head(nd.mean(h, axis=0, keepdims=True)))        # (1, 3)
@@ -101,7 +104,7 @@ def _apply(net, ids):
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("mixing", [None, "softmax0", "transpose", "expand0", "reshape",
                                     "along_rows", "pools", "single_rows", "indexing",
-                                    "reshape_rows"])
+                                    "reshape_rows", "stack_rows"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_row_operators_on_sequences_of_any_length_equal_plain_gluon(policy, mixing, train):
     samples = _samples(0)
@@ -191,6 +194,20 @@ def test_reshapes_keeping_the_rows_merge_whatever_the_lengths(policy):
     net.hybridize(dynamic_batch=True, policy=policy)
     seen = _launches_by_name(net, _samples(1))
     assert seen.get("Reshape") == 2 * len(set(LENGTHS)), seen
+    net.hybridize(active=False)
+
+
+@pytest.mark.parametrize("policy", ["depth", "agenda"])
+def test_stacks_along_other_axes_merge_whatever_the_lengths(policy):
+    """Counters: ``nd.stack`` of a sample's sequences along axis 1 or -1 (its
+    axis counted in the output's rank) runs in one launch per stack for every
+    length, one per length before; the one-row sample's stack along axis 1
+    is a composite of its rows (no launch), its stack along -1 a launch of
+    its own."""
+    net = initialized(Rows("stack_rows", prefix="rows_"))
+    net.hybridize(dynamic_batch=True, policy=policy)
+    seen = _launches_by_name(net, _samples(1))
+    assert seen.get("stack") == 2 + 1, seen
     net.hybridize(active=False)
 
 

@@ -147,9 +147,8 @@ def _off_axis_0(name, keys, vals, in_meta):
     attrs = dict(zip(keys, vals))
     if name in ONE_AXIS or name in REDUCING:
         attr, default, rank_of = ONE_AXIS.get(name, ("axis", None, "in"))
-        if rank_of != "in":
-            return False        # (stack: its axis counts in the output's rank)
-        axes = _axes(attrs.get(attr), default, rank)
+        # (stack's axis counts in the output's rank: one more)
+        axes = _axes(attrs.get(attr), default, rank if rank_of == "in" else rank + 1)
         return axes is not None and 0 not in axes and not true_attr(attrs.get("exclude"))
     if name == "transpose":
         axes = _axes(attrs.get("axes"), None, rank)
