@@ -73,10 +73,13 @@ INPUT_CALLS = {
     "SequenceReverse": (lambda a, n: nd.SequenceReverse(a, n, use_sequence_length=True),
                         "seq", "lengths"),
     "_contrib_arange_like": (lambda a, b: nd.contrib.arange_like(a) * b, "rows", "rows"),
+    "broadcast_like": (lambda a, b: nd.broadcast_like(a, b), "row", "rows"),
+    "reshape_like": (lambda a, b: nd.reshape_like(a, b), "rows", "flat"),
+    "slice_like": (lambda a, b: nd.slice_like(a, b), "rows", "row"),
 }
 _ARRAYS = {"ids": [[1, 3], [0, 2]], "table": np.arange(12).reshape(4, 3) / 7.0,
            "rows": [[1.5, -2.0, 0.5], [0.0, 3.0, -1.0]], "index2": [[0, 1], [2, 0]],
-           "picks": [1, 2],
+           "picks": [1, 2], "row": [[0.5, -1.0, 2.0]], "flat": np.arange(6.0) / 3,
            "seq": np.arange(12).reshape(3, 2, 2) / 5.0, "lengths": [2, 3]}
 
 

@@ -64,7 +64,7 @@ class BlockExec(object):
     bounded tables, which must not keep users' models alive (the graph holds
     the blocks of its pending calls: ``record``)."""
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages", "merges", "why", "_static", "_static_of")
+                 "stages", "merges", "why", "_static", "_static_of", "cut")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
     variadic = False  # its calls have the signature's inputs (OpExec: a sum's may not)
@@ -84,6 +84,7 @@ class BlockExec(object):
         self.stages = None  # its input-stage plan: None until looked for, False: none
         self._static = None     # its StaticOps: launch shapes -> CachedOps with static memory
         self._static_of = None  # the block's own CachedOp those were made beside
+        self.cut = ()   # inputs detached where recorded (gradients.cut_inputs)
 
     @property
     def block(self):
@@ -103,6 +104,8 @@ class BlockExec(object):
         block = self.block
         with self.ctx, _mxapi.mode_scope(self.mode):
             ins = unpinned(gather.gather_batch(batch))
+            if self.mode[0]:
+                ins = detached(ins, self.cut)
             with _CACHED_OPS:
                 # not while recording: MXNet's static CachedOp, called again in
                 # one recording, can differentiate wrongly (docs/design.rst)
@@ -164,13 +167,21 @@ class BlockExec(object):
         leaves = _format_leaves(self.fmt)
         with self.ctx, _mxapi.mode_scope(self.mode):
             for node in batch:
-                it = iter(unpinned([row_value(x) if type(x) is LazyArray else x
-                                     for x in node.inputs]))
+                ins = unpinned([row_value(x) if type(x) is LazyArray else x
+                                for x in node.inputs])
+                if self.mode[0]:
+                    ins = detached(ins, self.cut)
+                it = iter(ins)
                 args = _regroup([None if f == -1 else next(it) for f in leaves], self.fmt)
                 with _CACHED_OPS:
                     res = self.block._call_cached_op(*args)  # pylint: disable=protected-access
                 outs, _ = _flatten(res, "output")
                 finish([node], outs)
+
+
+def detached(args, cut):
+    """``args`` with those at the positions in ``cut`` detached."""
+    return [x.detach() if k in cut else x for k, x in enumerate(args)] if cut else args
 
 
 _HOST_MEMORY = frozenset(Context.devstr2type[t] for t in HOST_MEMORY)
@@ -268,7 +279,7 @@ class OpExec(object):
     """Runs the nodes of one operator signature by its batching rule ``rule``
     (``rules.rule_for``; None: one call per node)."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift")
+                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
@@ -293,6 +304,10 @@ class OpExec(object):
         # a scalar operator whose nodes hold their own scalars (Node.lifted):
         # (the broadcasting operator's handle, scalar first), see opkeys._LIFTS
         self.lift = lift
+        # the inputs it passes no gradient to, detached where recorded: MXNet
+        # 1.9.1 sends them zeros (broadcast_like's shape source) and crashes
+        # on gathered or sliced rows (gradients.cut_inputs for blocks)
+        self.cut = ()
 
     def _lifted(self, batch, x, n):
         """The launch of a scalar operator whose nodes differ in their scalars:
@@ -334,6 +349,8 @@ class OpExec(object):
             elif self.kind is None:
                 for node in batch:
                     args = [row_value(x) if type(x) is LazyArray else x for x in node.inputs]
+                    if self.mode[0]:
+                        args = detached(args, self.cut)
                     outs = _mxapi.run_op(self.handle, args, self.keys,
                                          self._vals(len(args)) if self.variadic else self.vals)
                     node.row = 0
@@ -341,7 +358,8 @@ class OpExec(object):
                     finish([node], outs)
                 return
             else:
-                outs = self._batched(gather.gather_batch(batch), n)
+                ins = gather.gather_batch(batch)
+                outs = self._batched(detached(ins, self.cut) if self.mode[0] else ins, n)
             if not self.checked and n > 1:
                 for o, m in zip(outs, self.out_meta):
                     if o.shape != (flat_shape(m[0], n) if m[0][0] is not None else

@@ -31,11 +31,18 @@ _random_uniform_like _random_normal_like _random_gamma_like _random_exponential_
 _random_poisson_like _random_negative_binomial_like _random_generalized_negative_binomial_like
 """.split())
 
+#: set once a signature recorded by autograd stops gradient (a launch run
+#: unrecorded, an input detached): from then on a backward from lazy heads
+#: writes the zeros plain Gluon's writes behind such stops
+#: (``history.stopped_params``)
+STOPS = [False]
+
 #: operators that pass no gradient to the inputs at these positions
 NO_GRADIENT_INPUTS = {
     "Embedding": (0,), "take": (1,), "pick": (1,), "where": (0,), "gather_nd": (1,),
     "SequenceMask": (1,), "SequenceLast": (1,), "SequenceReverse": (1,),
-    "_contrib_arange_like": (0,),
+    "_contrib_arange_like": (0,), "broadcast_like": (1,), "reshape_like": (1,),
+    "slice_like": (1,),
 }
 
 
@@ -79,6 +86,31 @@ def graph_passes(out):
         reaches[j] = any(reaches[i] and passes(op, k, attrs)
                          for k, (i, _, _) in enumerate(node["inputs"]))
     return any(reaches[j] for j, _, _ in graph["heads"])
+
+
+def cut_inputs(out, names):
+    """The positions in ``names`` (input variables of the traced symbol
+    ``out``) from which no output depends differentiably: their gradient is
+    zero, and a recorded launch detaches them (MXNet 1.9.1 crashes on the
+    zeros where they are rows gathered from other launches)."""
+    graph = json.loads(out.tojson())
+    nodes = graph["nodes"]
+    reach = []      # per node: the variables its outputs depend on differentiably
+    for node in nodes:
+        op = node["op"]
+        if op == "null":
+            reach.append(frozenset((node["name"],)))
+            continue
+        attrs = node.get("attrs", {})
+        got = set()
+        for k, (i, _, _) in enumerate(node["inputs"]):
+            if passes(op, k, attrs):
+                got |= reach[i]
+        reach.append(got)
+    heads = set()
+    for j, _, _ in graph["heads"]:
+        heads |= reach[j]
+    return tuple([k for k, name in enumerate(names) if name not in heads])
 
 
 def launch_mode(mode, passes_gradient):

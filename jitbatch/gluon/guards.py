@@ -103,6 +103,7 @@ def make_backward(orig, heads_of):
         history.refuse_written(heads)
         watched = None if retain else history.watch(heads)
         kept = history.keep_unreached(heads)
+        stopped = history.stopped_params(heads)
         history.run_apart(heads, watched, not retain)
         before_backward(heads)
         try:
@@ -113,6 +114,7 @@ def make_backward(orig, heads_of):
             history.freed(e)
         finally:
             history.put_back(kept, not retain)
+        history.zero_stopped(stopped)
         history.after(watched)
         return res
     return backward

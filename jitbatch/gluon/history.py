@@ -44,7 +44,7 @@ from mxnet.ndarray import NDArray
 from .. import execute
 from ..errors import first_line
 from ..graph import Composite, Node, Ref, current_graph, only_sinks, reached_from, sever
-from .gradients import NO_GRADIENT
+from .gradients import NO_GRADIENT, STOPS
 from .kept import (READ_HEADS, WRITTEN, forget_writes, kept_for_backward, keeps_recorded,
                    read_node, written_in)
 from .lazy import DETACHED, LazyArray, NotDifferentiableError, node_of
@@ -346,6 +346,52 @@ def _buffers(reached, unreached, concrete, their_inputs):
             return []
     bufs = [b for p in params.values() for b in p.list_grad()] + [x.grad for x in inputs.values()]
     return [(b, b.copy()) for b in bufs]
+
+
+def stopped_params(heads):
+    """Before a backward from lazy ``heads``, once some signature stops
+    gradient (``gradients.STOPS``): the trained parameters of the block calls
+    the heads reach per sample through recorded calls, their gradients
+    marked not fresh; None where the walk cannot tell. Per sample MXNet's
+    backward writes each of them, zeros where only a stop (``BlockGrad``,
+    ``argmax``, a shape source) leads there; merged, such a stop runs
+    unrecorded or detached, and the backward never reaches the block's
+    launch: its gradient would keep the last step's values (``zero_stopped``)."""
+    if not STOPS[0] or current_graph().sharing is not None:
+        return None
+    params = {}
+    cache = {}
+    try:
+        todo = _head_nodes(heads)
+        seen = set()
+        while todo:
+            n = todo.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            if n.mode[0]:          # else outside autograd per sample: a constant
+                for p in _trained_params(n, cache):
+                    params[id(p)] = p
+                _walk_inputs(n, todo.append)
+    except _Unknown:
+        return None
+    params = list(params.values())
+    for p in params:
+        for a in p.list_data():     # (MXNet keeps the flag on the data)
+            a._fresh_grad = False
+    return params
+
+
+def zero_stopped(params):
+    """After the backward ``stopped_params`` prepared: the gradients it did
+    not write are written as plain Gluon's backward writes them (zeros, or
+    nothing added) and marked fresh."""
+    for p in params or ():
+        for a, g in zip(p.list_data(), p.list_grad()):
+            if not a._fresh_grad:
+                if p.grad_req == "write":
+                    g[:] = 0
+                a._fresh_grad = True
 
 
 def refuse_written(heads):

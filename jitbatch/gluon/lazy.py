@@ -226,10 +226,12 @@ class LazyArray(NDArray, Ref):
             return NDArray.detach(self.value())
         if autograd.is_recording() or node.mode[0]:
             # values unchanged, no gradient: what MXNet's detach gives a later
-            # operator (a recorded BlockGrad's launch runs outside autograd; so
-            # does one recorded outside autograd.record, as under pause); a
-            # write to it or to this array makes it MXNet's detach of the value
-            out = _nd.BlockGrad(self)
+            # operator (a BlockGrad recorded outside autograd.record, as MXNet's
+            # detach is outside its graph: a backward reaches nothing behind
+            # it, history.stopped_params); a write to it or to this array makes
+            # it MXNet's detach of the value
+            with autograd.pause(train_mode=autograd.is_training()):
+                out = _nd.BlockGrad(self)
             if type(out) is LazyArray:
                 track_view(out, self, None)
             return out

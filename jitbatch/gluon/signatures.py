@@ -216,9 +216,13 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
             # axis", so no rule can view it; one launch per call
             rule = lift = None
         attrs = dict(zip(keys, svals))
-        passing = any(gradients.passes(name, k, attrs) for k in range(len(metas)))
+        cut = tuple([k for k in range(len(metas)) if not gradients.passes(name, k, attrs)])
         ex = OpExec(handle, name, rule, keys, svals, shapes, out_meta, ctx,
-                    gradients.launch_mode(mode, passing), opkeys.is_sum(loose), lift)
+                    gradients.launch_mode(mode, len(cut) < len(metas)), opkeys.is_sum(loose),
+                    lift)
+        if mode[0] and cut:
+            ex.cut = cut
+            gradients.STOPS[0] = True
         # (a lifted scalar operator merges by its broadcasting twin, rule or not:
         # MXNet's _maximum_scalar is _npi_maximum_scalar by name, which has none)
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta,
@@ -441,7 +445,11 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     in_meta = tuple(zip(shapes, dtypes))
     mix = doubled or contract.sparse_added(block, mode) or \
         contract.check(out, names, shapes, mode[1], mode[0])
-    mode = gradients.launch_mode(mode, not mode[0] or gradients.graph_passes(out))
+    passing = not mode[0] or gradients.graph_passes(out)
+    cut = gradients.cut_inputs(out, names) if mode[0] else ()
+    if cut or not passing:
+        gradients.STOPS[0] = True     # (history.stopped_params)
+    mode = gradients.launch_mode(mode, passing)
     if mix is not None:
         # exact only one sample at a time: each call runs as its own launch
         if pad is not None:
@@ -451,6 +459,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             TABLE.add(rkey, lambda sid: _NOT_RAGGED)
         ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, merges=False)
         ex.why = why    # config.strict set later raises it (record_block)
+        ex.cut = cut
         return TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, False, block.name))
     if pad is not None:
         _check_pad_outputs(block, out, names, shapes, o1, pad)
@@ -461,10 +470,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
         ex = BlockExec(block, fmt, tuple(((None,) + tuple(s[1:]), d)
                                          for s, d in zip(shapes, dtypes)), out_meta, ctx, mode)
+        ex.cut = cut
         return TABLE.add(rkey, lambda sid: new_info(sid, rkey, ex, out_meta, True, block.name))
     if rkey is not None:
         TABLE.add(rkey, lambda sid: _NOT_RAGGED)
     ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, pad and dict(pad))
+    ex.cut = cut
     info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, True, block.name))
     if pad is not None:
         info.pad_axes = tuple(sorted(pad.items()))
