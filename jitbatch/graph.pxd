@@ -29,6 +29,7 @@ cdef class Graph:
     cdef public object thread, backend, policy, budget, granularity
     cdef public Py_ssize_t seq, passthrough, quiet, limit, scope
     cdef public bint executing, chunk_merged, unpiped
+    cdef public Py_ssize_t stops
     cdef public list retired, kept, kept_before
     cdef public dict reads
     cdef public object spans

@@ -166,11 +166,20 @@ class Graph(object):
         self.sharing = None    # the jitbatch.map whose samples record here (its read hook)
         self.unpiped = False   # recorded (partly) by a map's samples: pipeline learns nothing from it
         self.net = None        # the number of the network whose block began it (pipeline key)
+        # a recorded call stopped a lazy input's gradient (SigInfo.stops): a
+        # backward walks for it (history.stopped_params); STOPS_SEEN after a
+        # backward, dropped when the next recording begins
+        self.stops = 0
 
     def add(self, info, inputs, site, mode, rows=None):
         if not self.nodes:
+            if self.stops == STOPS_SEEN:
+                self.stops = 0
             if config.defer_gc and _local.graph is self:
                 gcdefer.defer(self)
+        if info.stops is not None and self.stops != STOPS_RECORDED and mode[0] and \
+                _stops_lazy(info.stops, inputs):
+            self.stops = STOPS_RECORDED
         n: Node = Node(info, inputs, 1, site, mode, self, self.seq, rows)
         p: Node
         c: Composite
@@ -391,6 +400,29 @@ def reached_from(heads, severed):
                         elif severed and p.severed:
                             reads.append((n, p))
     return seen, reads
+
+
+#: Graph.stops: a call stopping a gradient recorded since the last backward;
+#: one recorded before it (later backwards of that recording may still reach it)
+STOPS_RECORDED, STOPS_SEEN = 1, 2
+
+
+def _stops_lazy(positions, inputs):
+    """Whether some input at ``positions`` is a lazy array computed by a call
+    (a value it may stop the gradient of; a concrete one, or one its
+    executor made from data (``source``): a loss's labels, token ids, has
+    none to stop)."""
+    p: Node
+    for k in positions:
+        if k < len(inputs) and isinstance(inputs[k], Ref):
+            q = inputs[k]._node
+            if type(q) is Composite:
+                return True
+            if type(q) is Node:
+                p = q
+                if not getattr(p.info.op, "source", False):
+                    return True
+    return False
 
 
 def only_sinks(nodes, heads):

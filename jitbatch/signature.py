@@ -17,7 +17,7 @@ class SigInfo(object):
     (``cost.Model.pad_costs``)."""
     __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
                  "launch_rows", "launches", "launch_rr", "launch_cr", "pad_axes", "pad_fit",
-                 "pad_seen")
+                 "pad_seen", "stops")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
         self.id = sid
@@ -35,6 +35,9 @@ class SigInfo(object):
         self.pad_axes = None
         self.pad_fit = None
         self.pad_seen = 0        # flushes this padded signature ran in
+        # the inputs whose gradient its recorded calls' launches stop (a launch
+        # run unrecorded, inputs detached): None where none (Graph.stops)
+        self.stops = None
 
     def inherit(self, old):
         """Take over ``old``'s launch measurements (the same call re-traced, e.g.

@@ -64,7 +64,7 @@ class BlockExec(object):
     bounded tables, which must not keep users' models alive (the graph holds
     the blocks of its pending calls: ``record``)."""
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages", "merges", "why", "_static", "_static_of", "cut")
+                 "stages", "merges", "why", "_static", "_static_of", "cut", "stops", "unused")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
     variadic = False  # its calls have the signature's inputs (OpExec: a sum's may not)
@@ -85,6 +85,8 @@ class BlockExec(object):
         self._static = None     # its StaticOps: launch shapes -> CachedOps with static memory
         self._static_of = None  # the block's own CachedOp those were made beside
         self.cut = ()   # inputs detached where recorded (gradients.cut_inputs)
+        self.stops = None  # inputs recorded calls pass no gradient (SigInfo.stops)
+        self.unused = ()   # inputs its traced graph does not read
 
     @property
     def block(self):
@@ -279,7 +281,8 @@ class OpExec(object):
     """Runs the nodes of one operator signature by its batching rule ``rule``
     (``rules.rule_for``; None: one call per node)."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut")
+                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut",
+                 "stops")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
@@ -308,6 +311,7 @@ class OpExec(object):
         # 1.9.1 sends them zeros (broadcast_like's shape source) and crashes
         # on gathered or sliced rows (gradients.cut_inputs for blocks)
         self.cut = ()
+        self.stops = None   # inputs recorded calls pass no gradient (SigInfo.stops)
 
     def _lifted(self, batch, x, n):
         """The launch of a scalar operator whose nodes differ in their scalars:
@@ -395,15 +399,18 @@ def ragged_exec(ex, lead, out_meta):
         return None     # only a broadcast pairs a sample's single rows with its rows
     if opkeys.rowwise(ex, lead, out_meta):
         out_meta = opkeys.unled(out_meta, lead)
-        return (RowRepeatExec if ones else OpExec)(
+        made = (RowRepeatExec if ones else OpExec)(
             ex.handle, ex.name, ("elemwise", ex.keys, ex.vals, None), ex.keys, ex.vals,
-            opkeys.unled(ex.in_meta, lead), out_meta, ex.ctx, ex.mode, False, ex.lift), out_meta
-    fill = opkeys.segment_fill(ex)
-    if fill is None:
-        return None
-    if ex.name in opkeys.SEGMENT_NORMS:     # outputs: the samples' rows again
-        out_meta = opkeys.unled(out_meta, lead)
-    return SegmentExec(ex, fill, lead, out_meta), out_meta
+            opkeys.unled(ex.in_meta, lead), out_meta, ex.ctx, ex.mode, False, ex.lift)
+    else:
+        fill = opkeys.segment_fill(ex)
+        if fill is None:
+            return None
+        if ex.name in opkeys.SEGMENT_NORMS:     # outputs: the samples' rows again
+            out_meta = opkeys.unled(out_meta, lead)
+        made = SegmentExec(ex, fill, lead, out_meta)
+    made.cut, made.stops = ex.cut, ex.stops
+    return made, out_meta
 
 
 class RowRepeatExec(OpExec):
@@ -523,6 +530,7 @@ class ConstExec(object):
     stages = False
     rounds = False
     gathers = False   # nothing to gather: the values are the nodes' own
+    source = True     # made from data: no gradient behind it (graph._stops_lazy)
 
     def __init__(self, ctx, dtype, out_meta):
         self.ctx = ctx

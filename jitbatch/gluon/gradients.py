@@ -31,12 +31,6 @@ _random_uniform_like _random_normal_like _random_gamma_like _random_exponential_
 _random_poisson_like _random_negative_binomial_like _random_generalized_negative_binomial_like
 """.split())
 
-#: set once a signature recorded by autograd stops gradient (a launch run
-#: unrecorded, an input detached): from then on a backward from lazy heads
-#: writes the zeros plain Gluon's writes behind such stops
-#: (``history.stopped_params``)
-STOPS = [False]
-
 #: operators that pass no gradient to the inputs at these positions
 NO_GRADIENT_INPUTS = {
     "Embedding": (0,), "take": (1,), "pick": (1,), "where": (0,), "gather_nd": (1,),

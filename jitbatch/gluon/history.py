@@ -43,8 +43,9 @@ from mxnet.ndarray import NDArray
 
 from .. import execute
 from ..errors import first_line
-from ..graph import Composite, Node, Ref, current_graph, only_sinks, reached_from, sever
-from .gradients import NO_GRADIENT, STOPS
+from ..graph import (STOPS_RECORDED, STOPS_SEEN, Composite, Node, Ref, current_graph,
+                     only_sinks, reached_from, sever)
+from .gradients import NO_GRADIENT
 from .kept import (READ_HEADS, WRITTEN, forget_writes, kept_for_backward, keeps_recorded,
                    read_node, written_in)
 from .lazy import DETACHED, LazyArray, NotDifferentiableError, node_of
@@ -349,32 +350,48 @@ def _buffers(reached, unreached, concrete, their_inputs):
 
 
 def stopped_params(heads):
-    """Before a backward from lazy ``heads``, once some signature stops
-    gradient (``gradients.STOPS``): the trained parameters of the block calls
-    the heads reach per sample through recorded calls, their gradients
-    marked not fresh; None where the walk cannot tell. Per sample MXNet's
-    backward writes each of them, zeros where only a stop (``BlockGrad``,
-    ``argmax``, a shape source) leads there; merged, such a stop runs
-    unrecorded or detached, and the backward never reaches the block's
-    launch: its gradient would keep the last step's values (``zero_stopped``)."""
-    if not STOPS[0] or current_graph().sharing is not None:
+    """Before a backward from lazy ``heads``, where a call since the pending
+    nodes began stops a lazy input's gradient (``Graph.stops``,
+    ``SigInfo.stops``) and the heads reach such a call per sample through
+    recorded calls: the trained parameters the block calls among those read,
+    their gradients marked not fresh; else None. Per sample MXNet's backward
+    writes each of them, zeros where only a stop (``BlockGrad``, ``argmax``,
+    a shape source) leads there; merged, such a stop runs unrecorded or
+    detached and the backward never reaches the block's launch: its gradient
+    would keep the last step's values (``zero_stopped``). What the walk
+    cannot follow (a call that let go of its inputs, a value written in
+    place) it leaves out: as before."""
+    g = current_graph()
+    if not g.stops or g.sharing is not None:
         return None
-    params = {}
-    cache = {}
     try:
         todo = _head_nodes(heads)
-        seen = set()
-        while todo:
-            n = todo.pop()
-            if id(n) in seen:
-                continue
-            seen.add(id(n))
-            if n.mode[0]:          # else outside autograd per sample: a constant
-                for p in _trained_params(n, cache):
-                    params[id(p)] = p
-                _walk_inputs(n, todo.append)
     except _Unknown:
         return None
+    infos = {}
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if id(n) in seen or not n.mode[0]:
+            continue        # (outside autograd per sample: nothing behind it is reached)
+        seen.add(id(n))
+        infos[id(n.info)] = n.info
+        if n.batch is not None and not n.inputs:
+            continue        # let go of its inputs: a constant now, as per sample
+        skip = getattr(n.info.op, "unused", ())
+        for k, x in enumerate(n.inputs):
+            if k not in skip and isinstance(x, Ref):
+                q = x._node if x._node is not DETACHED else read_node(x)
+                if type(q) is Node:
+                    todo.append(q)
+                elif type(q) is Composite:
+                    todo.extend(q.nodes)
+    if all(info.stops is None for info in infos.values()):
+        return None
+    params = {}
+    for info in infos.values():
+        for p in _graph_params(getattr(info.op, "block", None)):
+            params[id(p)] = p
     params = list(params.values())
     for p in params:
         for a in p.list_data():     # (MXNet keeps the flag on the data)
@@ -382,10 +399,24 @@ def stopped_params(heads):
     return params
 
 
+def _graph_params(block):
+    """The trained parameters ``block``'s traced graph reads (not those of a
+    child it does not call)."""
+    graph = getattr(block, "_cached_graph", None)
+    if not graph:
+        return ()
+    used = set(graph[1].list_inputs())
+    return [p for p in block.collect_params().values()
+            if p.grad_req != "null" and p.name in used]
+
+
 def zero_stopped(params):
     """After the backward ``stopped_params`` prepared: the gradients it did
     not write are written as plain Gluon's backward writes them (zeros, or
     nothing added) and marked fresh."""
+    graph = current_graph()
+    if graph.stops == STOPS_RECORDED:
+        graph.stops = STOPS_SEEN
     for p in params or ():
         for a, g in zip(p.list_data(), p.list_grad()):
             if not a._fresh_grad:
