@@ -8,7 +8,7 @@ naive per-sample models written the way users write them.
 * a lazy array's ``reshape`` keeping the rows (``(-1, heads, d)``,
   ``(0, 2, -1)``, ``(T, heads, d)``, ``reshape(0, -1)``) recorded as a
   target ``(0, ...)`` that runs as one launch across lengths
-  (``lazy._rows_copied``, ``opkeys._copies_rows``);
+  (``opkeys.rows_copied``, ``opkeys._copies_rows``);
 * the new operator rules (``rules.py``): ``tile``, ``LeakyReLU`` (leaky, elu,
   selu, gelu; prelu per call), ``broadcast_to``, ``broadcast_like``,
   ``swapaxes``, ``linalg_gemm2``, ``L2Normalization``, ``repeat``,
@@ -44,7 +44,7 @@ TRAIN = pytest.mark.parametrize("train", [False, True])
 HEADS, D = 2, 3
 E = HEADS * D
 #: lengths with single-row samples mixed in (a one-row call keeps its exact
-#: signature), lengths of two (``_rows_copied``'s boundary) and repeats
+#: signature), lengths of two (``rows_copied``'s boundary) and repeats
 LENGTHS = (3, 1, 5, 2, 4, 3, 1, 2)
 
 
@@ -234,7 +234,7 @@ def test_per_sample_models_equal_plain_gluon(model, policy, train):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_length_boundaries(model, lengths):
     """All single rows (exact signatures only), all two rows (the smallest
-    ragged group, ``_rows_copied``'s boundary) and a mix, training."""
+    ragged group, ``rows_copied``'s boundary) and a mix, training."""
     for policy in ("depth", "auto"):
         compare(MODELS[model], True, policy, lengths=lengths)
 

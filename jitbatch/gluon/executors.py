@@ -74,19 +74,16 @@ class BlockExec(object):
         self._block = weakref.ref(block, self._dropped) if weak else (lambda: block)
         self.merges = merges  # False: its graph mixes samples (contract), one call each
         self.why = None       # where it does not merge: the ContractWarning's text
-        self.fmt = fmt
-        self.in_meta = in_meta
-        self.out_meta = out_meta
-        self.ctx = ctx
-        self.mode = mode
+        self.fmt, self.in_meta, self.out_meta, self.ctx, self.mode = \
+            fmt, in_meta, out_meta, ctx, mode
         self.checked = False
         self.pad = pad      # {argument: axis} zero-padded to the batch's largest size
         self.stages = None  # its input-stage plan: None until looked for, False: none
         self._static = None     # its StaticOps: launch shapes -> CachedOps with static memory
         self._static_of = None  # the block's own CachedOp those were made beside
-        self.cut = ()   # inputs detached where recorded (gradients.cut_inputs)
-        self.stops = None  # inputs recorded calls pass no gradient (SigInfo.stops)
-        self.unused = ()   # inputs its traced graph does not read
+        # inputs: detached where recorded (gradients.cut_inputs), not read by
+        # its graph, those recorded calls pass no gradient (SigInfo.stops)
+        self.cut, self.unused, self.stops = (), (), None
 
     @property
     def block(self):
@@ -182,7 +179,9 @@ class BlockExec(object):
 
 
 def detached(args, cut):
-    """``args`` with those at the positions in ``cut`` detached."""
+    """``args`` with those at the positions in ``cut`` detached: MXNet 1.9.1
+    sends them zeros (``broadcast_like``'s shape source) and crashes on
+    gathered or sliced rows (``gradients.cut_inputs``)."""
     return [x.detach() if k in cut else x for k, x in enumerate(args)] if cut else args
 
 
@@ -307,10 +306,7 @@ class OpExec(object):
         # a scalar operator whose nodes hold their own scalars (Node.lifted):
         # (the broadcasting operator's handle, scalar first), see opkeys._LIFTS
         self.lift = lift
-        # the inputs it passes no gradient to, detached where recorded: MXNet
-        # 1.9.1 sends them zeros (broadcast_like's shape source) and crashes
-        # on gathered or sliced rows (gradients.cut_inputs for blocks)
-        self.cut = ()
+        self.cut = ()       # inputs it passes no gradient to, detached where recorded
         self.stops = None   # inputs recorded calls pass no gradient (SigInfo.stops)
 
     def _lifted(self, batch, x, n):

@@ -24,6 +24,7 @@ from .. import execute
 from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Graph, Node, Ref, current_graph, recorder
 from . import _mxapi
+from .opkeys import rows_copied
 from .interleave import in_sample
 from .kept import keeps_recorded, note_read
 from .layout import extent
@@ -256,7 +257,8 @@ class LazyArray(NDArray, Ref):
         if self._value is not None or node is DETACHED or \
                 (type(node) is Node and node.batch is not None):
             return NDArray.reshape(self.value(), shape, **kwargs)
-        out = _nd.reshape(self, shape=_rows_copied(self._shape, shape, kwargs), **kwargs)
+        out = _nd.reshape(self, shape=rows_copied(self._shape, shape, kwargs.get("reverse")),
+                          **kwargs)
         if type(out) is LazyArray:
             track_view(out, self, out._shape)
         return out
@@ -515,20 +517,6 @@ def _tuple_index(arr, key):
         # first makes it MXNet's indexing of the source's value
         track_view(out, arr, _Index(key))
     return out
-
-
-def _rows_copied(have, shape, kwargs):
-    """A reshape target of an array of ``have`` rows (two or more) that keeps
-    them, with axis 0 copied (code 0) instead of counted, so that sequences
-    of any length share the call's signature (``opkeys.rowwise``); else
-    ``shape`` as given."""
-    if len(shape) < 2 or have[0] < 2 or kwargs.get("reverse"):
-        return shape
-    if -1 in shape:
-        shape = _mxapi.resolved_shape(have, shape, False)
-    if shape[0] != have[0]:
-        return shape
-    return (0,) + tuple(shape[1:])
 
 
 class _Index(object):

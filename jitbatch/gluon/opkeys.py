@@ -128,6 +128,20 @@ def rowwise(ex, lead, out_meta):
     return True
 
 
+def rows_copied(have, shape, reverse):
+    """A reshape target of an array of ``have`` rows (two or more) that keeps
+    them, with axis 0 copied (code 0) instead of counted, so that sequences
+    of any length share the call's signature (``rowwise``, ``_copies_rows``);
+    else ``shape`` as given."""
+    if len(shape) < 2 or have[0] < 2 or reverse:
+        return shape
+    if -1 in shape:
+        shape = _mxapi.resolved_shape(have, shape, False)
+    if shape[0] != have[0]:
+        return shape
+    return (0,) + tuple(shape[1:])
+
+
 def _copies_rows(ex):
     """Whether a ``Reshape`` copies axis 0 (its target starts with the code 0,
     read left to right): every other code then acts on the other axes only,
