@@ -631,7 +631,7 @@ def frozen(net):
 
 
 _FROZEN = ("fixed 2026-11-27, kept for the record: a frozen block (grad_req='null') over constant inputs, recorded under autograd, "
-           "is a recorded launch (gradients.graph_passes counts its parameters as "
+           "is a recorded launch (gradients.reached_variables counts its parameters as "
            "variables whatever their grad_req); its outputs left out of the loss are "
            "marked and refused in the next recording, though per sample they carry no "
            "gradient to anything (plain Gluon's numbers are the constant's)")

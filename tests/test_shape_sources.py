@@ -9,7 +9,7 @@ block whose output depends on an input through its shape only crashed the
 same way. A recorded launch now detaches the inputs its operator passes no
 gradient to (``executors.OpExec._detached``) and, for a block, the inputs no
 output of its traced graph depends on differentiably
-(``gradients.cut_inputs``): their gradient is zero either way. Each program
+(``gradients.reached_variables``): their gradient is zero either way. Each program
 runs in a subprocess (a crash would end the suite) and is compared with plain
 Gluon, outputs and every parameter's gradient, over two minibatches with
 ``grad_req='add'`` (so a stale or missing gradient shows)."""

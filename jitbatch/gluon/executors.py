@@ -64,7 +64,7 @@ class BlockExec(object):
     bounded tables, which must not keep users' models alive (the graph holds
     the blocks of its pending calls: ``record``)."""
     __slots__ = ("_block", "fmt", "in_meta", "out_meta", "ctx", "mode", "checked", "pad",
-                 "stages", "merges", "why", "_static", "_static_of", "cut", "stops", "unused")
+                 "stages", "merges", "why", "_static", "_static_of", "cut", "unused")
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
     variadic = False  # its calls have the signature's inputs (OpExec: a sum's may not)
@@ -81,9 +81,9 @@ class BlockExec(object):
         self.stages = None  # its input-stage plan: None until looked for, False: none
         self._static = None     # its StaticOps: launch shapes -> CachedOps with static memory
         self._static_of = None  # the block's own CachedOp those were made beside
-        # inputs: detached where recorded (gradients.cut_inputs), not read by
-        # its graph, those recorded calls pass no gradient (SigInfo.stops)
-        self.cut, self.unused, self.stops = (), (), None
+        # inputs: detached where recorded (gradients.reached_variables: the
+        # signature's SigInfo.stops), not read by its graph
+        self.cut, self.unused = (), ()
 
     @property
     def block(self):
@@ -181,7 +181,7 @@ class BlockExec(object):
 def detached(args, cut):
     """``args`` with those at the positions in ``cut`` detached: MXNet 1.9.1
     sends them zeros (``broadcast_like``'s shape source) and crashes on
-    gathered or sliced rows (``gradients.cut_inputs``)."""
+    gathered or sliced rows (``gradients.reached_variables``)."""
     return [x.detach() if k in cut else x for k, x in enumerate(args)] if cut else args
 
 
@@ -280,8 +280,7 @@ class OpExec(object):
     """Runs the nodes of one operator signature by its batching rule ``rule``
     (``rules.rule_for``; None: one call per node)."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut",
-                 "stops")
+                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
@@ -307,7 +306,6 @@ class OpExec(object):
         # (the broadcasting operator's handle, scalar first), see opkeys._LIFTS
         self.lift = lift
         self.cut = ()       # inputs it passes no gradient to, detached where recorded
-        self.stops = None   # inputs recorded calls pass no gradient (SigInfo.stops)
 
     def _lifted(self, batch, x, n):
         """The launch of a scalar operator whose nodes differ in their scalars:
@@ -405,7 +403,7 @@ def ragged_exec(ex, lead, out_meta):
         if ex.name in opkeys.SEGMENT_NORMS:     # outputs: the samples' rows again
             out_meta = opkeys.unled(out_meta, lead)
         made = SegmentExec(ex, fill, lead, out_meta)
-    made.cut, made.stops = ex.cut, ex.stops
+    made.cut = ex.cut
     return made, out_meta
 
 

@@ -65,32 +65,15 @@ def passes(op, k, attrs=None):
     return True
 
 
-def graph_passes(out):
-    """Whether the traced symbol ``out`` can pass gradient from any of its
-    outputs to any of its variables (data inputs and parameters alike)."""
+def reached_variables(out):
+    """The variables of the traced symbol ``out`` (data inputs and parameters
+    alike, by name) on which some output depends differentiably: an empty set
+    where it passes no gradient at all; the data inputs left out get none
+    (a recorded launch detaches them: MXNet 1.9.1 crashes on the zeros where
+    they are rows gathered from other launches)."""
     graph = json.loads(out.tojson())
-    nodes = graph["nodes"]
-    reaches = [False] * len(nodes)   # node j's outputs depend differentiably on a variable
-    for j, node in enumerate(nodes):
-        op = node["op"]
-        if op == "null":
-            reaches[j] = True
-            continue
-        attrs = node.get("attrs", {})
-        reaches[j] = any(reaches[i] and passes(op, k, attrs)
-                         for k, (i, _, _) in enumerate(node["inputs"]))
-    return any(reaches[j] for j, _, _ in graph["heads"])
-
-
-def cut_inputs(out, names):
-    """The positions in ``names`` (input variables of the traced symbol
-    ``out``) from which no output depends differentiably: their gradient is
-    zero, and a recorded launch detaches them (MXNet 1.9.1 crashes on the
-    zeros where they are rows gathered from other launches)."""
-    graph = json.loads(out.tojson())
-    nodes = graph["nodes"]
     reach = []      # per node: the variables its outputs depend on differentiably
-    for node in nodes:
+    for node in graph["nodes"]:
         op = node["op"]
         if op == "null":
             reach.append(frozenset((node["name"],)))
@@ -104,7 +87,7 @@ def cut_inputs(out, names):
     heads = set()
     for j, _, _ in graph["heads"]:
         heads |= reach[j]
-    return tuple([k for k, name in enumerate(names) if name not in heads])
+    return heads
 
 
 def launch_mode(mode, passes_gradient):

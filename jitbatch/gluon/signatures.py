@@ -116,7 +116,7 @@ def new_info(sid, key, ex, out_meta, batchable, name):
     measurements of the signature it renews (the same call, re-hybridized)."""
     STATS.add(signatures=1)
     info = SigInfo(sid, key, ex, out_meta, batchable, name)
-    info.stops = getattr(ex, "stops", None)
+    info.stops = getattr(ex, "cut", None) or None   # (set only where recorded)
     if key[0] in BLOCK_KINDS:
         s = stable(key)
         old = _MEASURED.get(s)
@@ -222,7 +222,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
                     gradients.launch_mode(mode, len(cut) < len(metas)), opkeys.is_sum(loose),
                     lift)
         if mode[0] and cut:
-            ex.cut = ex.stops = cut
+            ex.cut = cut
         # (a lifted scalar operator merges by its broadcasting twin, rule or not:
         # MXNet's _maximum_scalar is _npi_maximum_scalar by name, which has none)
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta,
@@ -445,13 +445,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     in_meta = tuple(zip(shapes, dtypes))
     mix = doubled or contract.sparse_added(block, mode) or \
         contract.check(out, names, shapes, mode[1], mode[0])
-    passing = not mode[0] or gradients.graph_passes(out)
-    cut = gradients.cut_inputs(out, names) if mode[0] else ()
-    # the inputs a recorded call's launch passes no gradient (history.stopped_params)
-    stops = (cut if passing else tuple(range(len(names)))) if cut or not passing else None
+    reached = gradients.reached_variables(out) if mode[0] else None
+    # recorded: the inputs no output depends on differentiably (all where none does)
+    cut = tuple([k for k, name in enumerate(names) if name not in reached]) if mode[0] else ()
     used = set(out.list_inputs())
     unused = tuple([k for k, name in enumerate(names) if name not in used])
-    mode = gradients.launch_mode(mode, passing)
+    mode = gradients.launch_mode(mode, not mode[0] or bool(reached))
     if mix is not None:
         # exact only one sample at a time: each call runs as its own launch
         if pad is not None:
@@ -461,7 +460,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
             TABLE.add(rkey, lambda sid: _NOT_RAGGED)
         ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, merges=False)
         ex.why = why    # config.strict set later raises it (record_block)
-        ex.cut, ex.stops, ex.unused = cut, stops, unused
+        ex.cut, ex.unused = cut, unused
         return TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, False, block.name))
     if pad is not None:
         _check_pad_outputs(block, out, names, shapes, o1, pad)
@@ -472,12 +471,12 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
         ex = BlockExec(block, fmt, tuple(((None,) + tuple(s[1:]), d)
                                          for s, d in zip(shapes, dtypes)), out_meta, ctx, mode)
-        ex.cut, ex.stops, ex.unused = cut, stops, unused
+        ex.cut, ex.unused = cut, unused
         return TABLE.add(rkey, lambda sid: new_info(sid, rkey, ex, out_meta, True, block.name))
     if rkey is not None:
         TABLE.add(rkey, lambda sid: _NOT_RAGGED)
     ex = BlockExec(block, fmt, in_meta, out_meta, ctx, mode, pad and dict(pad))
-    ex.cut, ex.stops, ex.unused = cut, stops, unused
+    ex.cut, ex.unused = cut, unused
     info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, True, block.name))
     if pad is not None:
         info.pad_axes = tuple(sorted(pad.items()))
