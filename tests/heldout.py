@@ -5,6 +5,7 @@ a fresh interpreter for programs that crash MXNet or leave it an error."""
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 import zlib
 
@@ -206,14 +207,73 @@ def error_of(fn):
     return None
 
 
-def run_in_subprocess(code):
-    """Run ``code`` in a fresh interpreter (for crashes of the process and
-    errors MXNet keeps for its next read); returns (exit status, stdout, stderr)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_in_subprocess(code, fresh=False):
+    """Run ``code`` in a process of its own (for crashes of the process and
+    errors MXNet keeps for its next read), as ``python -c`` runs it; returns
+    (exit status, stdout, stderr). The process is forked from a server that
+    has imported MXNet and nothing else (importing it is most of an
+    interpreter's start); ``fresh``: a new interpreter instead."""
     head = "import sys\nsys.path[:0] = [%r, %r]\n" % (TESTS, os.path.dirname(TESTS))
-    res = subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True,
-                         timeout=120, env=env)
-    return res.returncode, res.stdout, res.stderr
+    if fresh:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        res = subprocess.run([sys.executable, "-c", head + code], capture_output=True,
+                             text=True, timeout=120, env=env)
+        return res.returncode, res.stdout, res.stderr
+    global _FORKS
+    if _FORKS is None:
+        import multiprocessing
+        os.environ["OMP_NUM_THREADS"] = "1"     # (the server's environment is this one's)
+        _FORKS = multiprocessing.get_context("forkserver")
+        _FORKS.set_forkserver_preload(["mxnet"])
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        child = _FORKS.Process(target=_as_python_c, args=(head + code, out, err))
+        child.start()
+        child.join(120)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired("python -c", 120)
+        with open(out) as f, open(err) as g:
+            return child.exitcode, f.read(), g.read()
+
+
+_FORKS = None   # the forkserver context of run_in_subprocess
+
+
+def _as_python_c(code, out, err):
+    """In the forked process: run ``code`` as ``python -c`` does (``__main__``,
+    a traceback and status 1 on an error, ``SystemExit``'s status, threads
+    joined and ``atexit`` handlers run at the end), its output in files."""
+    import atexit
+    import multiprocessing
+    import threading
+    import traceback
+    multiprocessing.set_start_method(None, force=True)   # the platform's default again
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    sys.argv = ["-c"]
+    status = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    except BaseException:  # pylint: disable=broad-except
+        traceback.print_exc()
+        status = 1
+    threading._shutdown()  # pylint: disable=protected-access
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 _DENSE_BEHIND_A_STOP = """
