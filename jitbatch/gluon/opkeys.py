@@ -142,6 +142,34 @@ def rows_copied(have, shape, reverse):
     return (0,) + tuple(shape[1:])
 
 
+_RESHAPE_HANDLES = set()
+
+
+def reshape_rows(handle, keys, vals, have):
+    """The attribute values of an operator call on an array of shape ``have``:
+    a ``Reshape`` whose target counts the rows (``nd.reshape(h, shape=(T, 2,
+    -1))`` on ``T`` rows) gets the same target with axis 0 copied (code 0,
+    ``rows_copied``), so that sequences of any length share its signature;
+    other calls keep ``vals`` as given."""
+    if not _RESHAPE_HANDLES:
+        _RESHAPE_HANDLES.update(_mxapi.op_handle(n) for n in ("Reshape", "reshape"))
+    if handle not in _RESHAPE_HANDLES or "shape" not in keys or "target_shape" in keys or \
+            not have or have[0] < 2:
+        return vals
+    attrs = dict(zip(keys, vals))
+    if true_attr(attrs.get("reverse")):
+        return vals
+    shape = parse_attr(str(attrs["shape"]))
+    # (no special code but -1: a count of rows, or a -1 that resolves to it)
+    if not isinstance(shape, (tuple, list)) or len(shape) < 2 or \
+            shape[0] not in (have[0], -1) or \
+            not all(isinstance(d, int) and (d > 0 or d == -1) for d in shape):
+        return vals
+    out = list(vals)
+    out[list(keys).index("shape")] = str(rows_copied(tuple(have), tuple(shape), False))
+    return out
+
+
 def _copies_rows(ex):
     """Whether a ``Reshape`` copies axis 0 (its target starts with the code 0,
     read left to right): every other code then acts on the other axes only,

@@ -330,6 +330,61 @@ def _dropout(attrs, keys, vals, ins, outs):
     return ("elemwise", keys, vals, None)
 
 
+def _reshape_like(attrs, keys, vals, ins, outs):
+    # both inputs the samples' own: each range of axes moves past the samples'
+    # axis (an absent begin is axis 0, the first of a sample's axes)
+    if len(ins) != 2:
+        return None
+    changes = {}
+    for side in ("lhs", "rhs"):
+        for end, absent in (("begin", "1"), ("end", "None")):
+            attr = "%s_%s" % (side, end)
+            value = attrs.get(attr)
+            if value in (None, "None"):
+                changes[attr] = absent
+            elif not isinstance(value, int):
+                return None
+            else:
+                changes[attr] = str(value + 1 if value >= 0 else value)
+    k2, v2 = _shifted(keys, vals, **changes)
+    return ("stacked", k2, v2, ins)
+
+
+def _slice_like(attrs, keys, vals, ins, outs):
+    # the samples' axis is as long in both inputs: slicing it keeps it
+    if len(ins) != 2 or len(ins[0]) != len(ins[1]):
+        return None
+    axes = attrs.get("axes", ())
+    if axes in ((), [], None, "None"):
+        return ("stacked", keys, vals, ins)
+    axes = _norm_axes(axes, len(ins[0]))
+    if axes is None:
+        return None
+    k2, v2 = _shifted(keys, vals, axes=str(tuple(a + 1 for a in axes)))
+    return ("stacked", k2, v2, ins)
+
+
+def _diag(attrs, keys, vals, ins, outs):
+    # the diagonal of a matrix (or of two axes): those axes move past the
+    # samples'; a vector's diagonal matrix has no batched form
+    if len(ins) != 1 or len(ins[0]) < 2:
+        return None
+    axes = _norm_axes((attrs.get("axis1", 0), attrs.get("axis2", 1)), len(ins[0]))
+    if axes is None:
+        return None
+    k2, v2 = _shifted(keys, vals, axis1=str(axes[0] + 1), axis2=str(axes[1] + 1))
+    return ("stacked", k2, v2, ins)
+
+
+def _batch_major_sequence(attrs, keys, vals, ins, outs):
+    # SequenceMask / SequenceLast along axis 1: the sequences lie along axis 0
+    # with their lengths, so the samples' rows are more sequences; along axis 0
+    # (the default) axis 0 is time and merging would lengthen the sequences
+    if str(attrs.get("axis", 0)) != "1":
+        return None
+    return _leading(attrs, keys, vals, ins, outs)
+
+
 # -- the registry ------------------------------------------------------------------------
 # (no rule for MakeLoss / make_loss: its backward passes ones whatever the head
 # gradient, so a merged sample the backward never reaches would add its gradient;
@@ -356,7 +411,7 @@ broadcast_lesser broadcast_lesser_equal broadcast_logical_and broadcast_logical_
 broadcast_logical_xor
 """)
 reshape("Reshape reshape expand_dims squeeze Flatten flatten")
-leading("batch_dot")
+leading("batch_dot Pad pad")
 expanding("one_hot")
 #: reductions over an ``axis`` attribute (all axes where absent)
 REDUCING = tuple("sum mean max min prod nansum nanprod norm sum_axis max_axis min_axis "
@@ -385,3 +440,7 @@ RULES["_linalg_gemm2"] = RULES["linalg_gemm2"] = _gemm2
 RULES["dot"] = _dot
 RULES["slice"] = _slice
 RULES["Dropout"] = _dropout
+RULES["reshape_like"] = _reshape_like
+RULES["slice_like"] = _slice_like
+RULES["diag"] = _diag
+RULES["SequenceMask"] = RULES["SequenceLast"] = _batch_major_sequence

@@ -170,6 +170,8 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
     """The signature of an operator call on arguments of ``metas``; None for
     an operator whose output shapes depend on values (added to VALUE_SHAPED),
     or a custom one whose shapes its ``infer_shape`` does not give."""
+    if metas:
+        vals = opkeys.reshape_rows(handle, keys, vals, metas[0][0])
     vkey = tuple(vals)
     try:
         hash(vkey)
