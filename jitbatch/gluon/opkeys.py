@@ -163,8 +163,9 @@ def reshape_rows(handle, keys, vals, have):
     # (no special code but -1: a count of rows, or a -1 that resolves to it)
     if not isinstance(shape, (tuple, list)) or len(shape) < 2 or \
             shape[0] not in (have[0], -1) or \
-            not all(isinstance(d, int) and (d > 0 or d == -1) for d in shape):
-        return vals
+            not all(isinstance(d, int) and (d > 0 or d == -1) for d in shape) or \
+            (-1 not in shape and int(np.prod(shape)) != int(np.prod(have))):
+        return vals     # (a wrong size is refused below, naming the target as written)
     out = list(vals)
     out[list(keys).index("shape")] = str(rows_copied(tuple(have), tuple(shape), False))
     return out
