@@ -68,6 +68,7 @@ class BlockExec(object):
     rounds = True   # launch sizes rounded up (config.row_buckets, gather.prepare)
     gathers = True  # its inputs are gathered (gather.prepare)
     variadic = False  # its calls have the signature's inputs (OpExec: a sum's may not)
+    shared = ()     # no weight passed as is (OpExec: rules.shared_rule)
 
     def __init__(self, block, fmt, in_meta, out_meta, ctx, mode, pad=None, merges=True,
                  weak=True):
@@ -280,7 +281,7 @@ class OpExec(object):
     """Runs the nodes of one operator signature by its batching rule ``rule``
     (``rules.rule_for``; None: one call per node)."""
     __slots__ = ("handle", "name", "kind", "keys", "vals", "bkeys", "bvals", "pads",
-                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut")
+                 "in_meta", "out_meta", "ctx", "mode", "checked", "variadic", "lift", "cut", "shared")
     pad = None      # no zero-padded arguments (see jitbatch.zero_pad)
     stages = False  # no input stage (see stages.py)
     rounds = False  # launch sizes exact (config.row_buckets: block launches only)
@@ -306,6 +307,7 @@ class OpExec(object):
         # (the broadcasting operator's handle, scalar first), see opkeys._LIFTS
         self.lift = lift
         self.cut = ()       # inputs it passes no gradient to, detached where recorded
+        self.shared = ()    # weight inputs every node passes (rules.shared_rule): as they are
 
     def _lifted(self, batch, x, n):
         """The launch of a scalar operator whose nodes differ in their scalars:

@@ -480,6 +480,9 @@ def prepare(batches):
         plans = []
         heads = {}      # (meta, what its first value reads) -> the arguments so far
         for j, col in enumerate(cols):
+            if j in ex.shared:      # one weight array every node passes: as it is
+                plans.append(Plan("id", (col[0],), 0, 0, in_meta[j][0], None, in_meta[j][0]))
+                continue
             axis = None if pad is None else pad.get(j)
             plan = _twin_plan(cols, plans, j, in_meta, pad, axis, heads)
             if plan is None:

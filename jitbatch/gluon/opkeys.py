@@ -171,6 +171,18 @@ def reshape_rows(handle, keys, vals, have):
     return out
 
 
+def check_reshape(name, keys, vals, shapes):
+    """Refuse a ``Reshape`` call into another number of values as
+    ``NDArray.reshape`` does: MXNet's operator checks no sizes, and a target of
+    fewer values corrupts the heap (the signature's trial run too)."""
+    if name in ("Reshape", "reshape") and "shape" in keys:
+        attrs = dict(zip(keys, vals))
+        target = parse_attr(str(attrs["shape"]))
+        _mxapi.resolved_shape(shapes[0][0],
+                              (target,) if isinstance(target, int) else tuple(target),
+                              parse_attr(str(attrs.get("reverse", "False"))) is True)
+
+
 def _copies_rows(ex):
     """Whether a ``Reshape`` copies axis 0 (its target starts with the code 0,
     read left to right): every other code then acts on the other axes only,

@@ -36,7 +36,7 @@ from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, contract, guards, meta, outputs, rewrite, signatures
-from .executors import unpinned
+from .executors import unpinned, watch_params
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
@@ -375,6 +375,8 @@ def _make_hybridize(orig):
                     b._active = False
                     return
                 b._jb_cfg = cfg
+                if cfg is not None and not isinstance(b, HybridBlock):
+                    watch_params(b)     # its forward may pass them to operators (record._shared)
                 # hybridize(clear=False) on a block never cleared left it without
                 # a token: its calls' keys would name it by id() alone
                 if cfg is not None and isinstance(b, HybridBlock) and b._jb_token is None:

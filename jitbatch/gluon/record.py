@@ -31,10 +31,12 @@ from ..signature import SigInfo
 from . import _mxapi
 from .backend import BACKEND
 from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
+from .executors import is_param
 from .meta import device, meta
 from .modes import mode
 from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
                          copy_signature, exact_key, op_signature, pad_size)
+from .rules import SHARED_WEIGHTS
 from .sites import site, site_of
 
 _FLAT_IN = {n: [0] * n for n in range(1, 16)}   # formats of n plain array arguments
@@ -259,7 +261,7 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
             # a trial run on an unallocated empty array fails in oneDNN kernels
             return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     mode_ = mode(g)
-    info = op_signature(handle, keys, vals, mc, mode_, output_is_list)
+    info = op_signature(handle, keys, vals, mc, mode_, output_is_list, _shared(handle, ndargs))
     if info is None:     # its output shapes depend on values: it runs now
         return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     gr: Graph = g
@@ -285,6 +287,21 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     if len(outs) == 1 and not output_is_list:
         return outs[0]
     return outs
+
+
+_SHARING = {}    # operator handle -> the positions of its weights (rules.SHARED_WEIGHTS)
+
+
+def _shared(handle, ndargs):
+    """``(position, id)`` of the parameter arrays a call passes as its
+    operator's weights (``nd.FullyConnected(h, w.data(), b.data(), ...)``)."""
+    if not _SHARING:
+        _SHARING.update((_mxapi.op_handle(k), v) for k, v in SHARED_WEIGHTS.items())
+    at = _SHARING.get(handle)
+    if at is None:
+        return ()
+    return tuple([(k, id(ndargs[k])) for k in at if k < len(ndargs) and
+                  type(ndargs[k]) is not LazyArray and is_param(ndargs[k])])
 
 
 def record_copy(g, x, dst):

@@ -385,6 +385,36 @@ def _batch_major_sequence(attrs, keys, vals, ins, outs):
     return _leading(attrs, keys, vals, ins, outs)
 
 
+#: operators whose weight arguments (positions) may be one array every call
+#: passes (a parameter's ``data()``): merged, each such argument is passed
+#: once, as is, and the others' rows are the samples' (axis 0 kept apart)
+SHARED_WEIGHTS = {"FullyConnected": (1, 2), "Embedding": (1,), "take": (0,),
+                  "LayerNorm": (1, 2)}
+
+
+def shared_rule(name, keys, vals, ins, outs, shared):
+    """The rule of a call whose arguments at positions ``shared`` are arrays
+    every call of its signature passes (``SHARED_WEIGHTS``): ``elemwise``
+    (the operator on the other arguments' flat rows and the shared ones as
+    they are) where each index of axis 0 of the others is computed apart,
+    else None (one launch per call)."""
+    allowed = SHARED_WEIGHTS.get(name, ())
+    rest = [s for k, s in enumerate(ins) if k not in shared]
+    if not rest or not all(k in allowed for k in shared) or any(not s for s in rest):
+        return None
+    lead = rest[0][0]
+    if any(s[0] != lead for s in rest) or any(not o or o[0] != lead for o in outs):
+        return None
+    attrs = {k: parse_attr(v) for k, v in zip(keys, vals)}
+    if name == "take" and (_norm_axes(attrs.get("axis", 0), len(ins[0])) != (0,) or
+                           len(rest[0]) < 1):
+        return None             # (the indices' axes replace axis 0 of the weight)
+    if name == "LayerNorm" and _norm_axes(attrs.get("axis", -1), len(ins[0])) in (None, (0,)):
+        return None
+    if name == "Embedding" and true_attr(attrs.get("sparse_grad")):
+        return None
+    return ("elemwise", keys, vals, None)
+
 # -- the registry ------------------------------------------------------------------------
 # (no rule for MakeLoss / make_loss: its backward passes ones whatever the head
 # gradient, so a merged sample the backward never reaches would add its gradient;

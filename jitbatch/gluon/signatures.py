@@ -38,7 +38,7 @@ from .guards import finish_deferred
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
 from . import _mxapi, contract, gradients, opkeys
-from .rules import parse_attr, rule_for
+from .rules import rule_for, shared_rule
 
 TABLE = SignatureTable()
 EXACT = {}      # exact call key -> SigInfo (bounded by TABLE.limit)
@@ -165,11 +165,13 @@ def copy_signature(m, dst, mode):
 #: (``contrib.boolean_mask``): not recorded, their calls run on computed
 #: arguments (the shapes a signature would fix came from zeros)
 VALUE_SHAPED = set()
-_RESHAPES = ("Reshape", "reshape")
-def op_signature(handle, keys, vals, metas, mode, output_is_list):
+
+
+def op_signature(handle, keys, vals, metas, mode, output_is_list, shared=()):
     """The signature of an operator call on arguments of ``metas``; None for
     an operator whose output shapes depend on values (added to VALUE_SHAPED),
-    or a custom one whose shapes its ``infer_shape`` does not give."""
+    or a custom one whose shapes its ``infer_shape`` does not give.
+    ``shared``: ``(position, id)`` of its weight arguments that are parameters."""
     if metas:
         vals = opkeys.reshape_rows(handle, keys, vals, metas[0][0])
     vkey = tuple(vals)
@@ -178,7 +180,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
     except TypeError:
         vkey = tuple(str(v) for v in vals)
     loose, vkey, kmetas, lift = opkeys.left_out(handle, keys, vals, vkey, metas)
-    lead = opkeys.ragged_lead(kmetas, loose)
+    lead = None if shared else opkeys.ragged_lead(kmetas, loose)
     if lead is not None:     # a row-wise operator's calls merge whatever their lengths
         rkey = (OP, handle, tuple(keys), vkey, opkeys.unled(kmetas, lead), mode, output_is_list,
                 RAGGED)
@@ -187,20 +189,13 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
             return info
     # every argument's context is in the key (as for blocks), so a call mixing
     # contexts never reuses a signature whose first call passed the check
-    key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, loose)
+    key = (OP, handle, tuple(keys), vkey, tuple(kmetas), mode, output_is_list, loose, shared)
     info = TABLE.get(key)
     if info is None:
         shapes = tuple((m[0], m[1]) for m in metas)
         name = _mxapi.op_name(handle)
         ctx = check_ctx(metas, "operator %s" % name)
-        if name in _RESHAPES and "shape" in keys:
-            # MXNet's Reshape checks no sizes: a target of fewer values corrupts
-            # the heap (its trial run below too); refused as NDArray.reshape does
-            attrs = dict(zip(keys, vals))
-            target = parse_attr(str(attrs["shape"]))
-            _mxapi.resolved_shape(shapes[0][0],
-                                  (target,) if isinstance(target, int) else tuple(target),
-                                  parse_attr(str(attrs.get("reverse", "False"))) is True)
+        opkeys.check_reshape(name, keys, vals, shapes)
         wrong = gradients.WRONG_GRADIENT.get(name)
         if wrong is not None and mode[0]:
             raise NotDifferentiableError("operator %s, recorded by autograd: MXNet 1.9.1's "
@@ -211,8 +206,10 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
                 VALUE_SHAPED.add(handle)
             return None
         svals = [str(v) for v in vals]
-        rule = rule_for(name, list(keys), svals, [m[0] for m in shapes],
-                        [m[0] for m in out_meta])
+        at = tuple([k for k, _ in shared])      # passed once, as they are (gather.prepare)
+        ins, outs = [m[0] for m in shapes], [m[0] for m in out_meta]
+        rule = shared_rule(name, list(keys), svals, ins, outs, at) if at else \
+            rule_for(name, list(keys), svals, ins, outs)
         if opkeys.empty(out_meta):
             # an empty output (NumPy shape semantics; an empty argument runs at
             # once, record.record_op): MXNet's reshape reads a 0 as "keep this
@@ -225,6 +222,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list):
                     lift)
         if mode[0] and cut:
             ex.cut = cut
+        ex.shared = at if rule is not None else ()
         # (a lifted scalar operator merges by its broadcasting twin, rule or not:
         # MXNet's _maximum_scalar is _npi_maximum_scalar by name, which has none)
         info = TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta,
