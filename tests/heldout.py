@@ -227,7 +227,8 @@ def run_in_subprocess(code, fresh=False):
         _FORKS.set_forkserver_preload(["mxnet"])
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        child = _FORKS.Process(target=_as_python_c, args=(head + code, out, err))
+        child = _FORKS.Process(target=_as_python_c,
+                               args=(head + code, out, err, dict(os.environ, OMP_NUM_THREADS="1")))
         child.start()
         child.join(120)
         if child.exitcode is None:
@@ -241,15 +242,18 @@ def run_in_subprocess(code, fresh=False):
 _FORKS = None   # the forkserver context of run_in_subprocess
 
 
-def _as_python_c(code, out, err):
+def _as_python_c(code, out, err, env):
     """In the forked process: run ``code`` as ``python -c`` does (``__main__``,
     a traceback and status 1 on an error, ``SystemExit``'s status, threads
-    joined and ``atexit`` handlers run at the end), its output in files."""
+    joined and ``atexit`` handlers run at the end), in the caller's
+    environment ``env``, its output in files."""
     import atexit
     import multiprocessing
     import threading
     import traceback
     multiprocessing.set_start_method(None, force=True)   # the platform's default again
+    os.environ.clear()
+    os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)

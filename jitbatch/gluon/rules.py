@@ -400,14 +400,17 @@ def shared_rule(name, keys, vals, ins, outs, shared):
     else None (one launch per call)."""
     allowed = SHARED_WEIGHTS.get(name, ())
     rest = [s for k, s in enumerate(ins) if k not in shared]
-    if not rest or not all(k in allowed for k in shared) or any(not s for s in rest):
+    # every weight the call passes is one shared array (a bias made per call
+    # beside a parameter is no sample's rows); the data has rows (axis 0 of a
+    # vector is its features)
+    if not rest or set(shared) != set(k for k in allowed if k < len(ins)) or \
+            any(not s for s in rest) or (name == "FullyConnected" and len(rest[0]) < 2):
         return None
     lead = rest[0][0]
     if any(s[0] != lead for s in rest) or any(not o or o[0] != lead for o in outs):
         return None
     attrs = {k: parse_attr(v) for k, v in zip(keys, vals)}
-    if name == "take" and (_norm_axes(attrs.get("axis", 0), len(ins[0])) != (0,) or
-                           len(rest[0]) < 1):
+    if name == "take" and _norm_axes(attrs.get("axis", 0), len(ins[0])) != (0,):
         return None             # (the indices' axes replace axis 0 of the weight)
     if name == "LayerNorm" and _norm_axes(attrs.get("axis", -1), len(ins[0])) in (None, (0,)):
         return None
