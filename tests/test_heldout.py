@@ -19,7 +19,7 @@ from mxnet.gluon import HybridBlock, nn
 import jitbatch
 from harness import assert_same, check_model, prepare, run
 from heldout import (contract_warnings, initialized, nothing_pending, rng_for,  # noqa: F401
-                     row_sequences, square_loss)
+                     row_sequences, run_in_subprocess, square_loss)
 from oracle import restore, snapshot
 
 POLICIES = ["auto", "depth", "agenda"]
@@ -470,8 +470,6 @@ def test_tree_with_nd_operators_between_blocks(train, policy, granularity, gate)
 
 
 TWO_EXPERTS = r"""
-import sys
-sys.path[:0] = [%(tests)r, %(root)r]
 import numpy as np
 from mxnet import gluon, nd
 from mxnet.gluon import nn
@@ -532,18 +530,10 @@ def test_zero_gradient_operator_over_rows_of_two_launches(op, policy):
     Imperative::Backward) where such a launch was recorded, so jitbatch runs it
     unrecorded (jitbatch/gluon/gradients.py). Run in a subprocess: the failure
     is a crash of the interpreter."""
-    import os
-    import subprocess
-    import sys
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = TWO_EXPERTS % {"tests": tests, "root": os.path.dirname(tests), "op": op,
-                          "policy": policy}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert res.returncode == 0, ("exit status %d (a negative status is a signal): %s"
-                                 % (res.returncode, res.stderr[-1500:]))
-    assert "same as plain Gluon" in res.stdout
+    status, out, err = run_in_subprocess(TWO_EXPERTS % {"op": op, "policy": policy})
+    assert status == 0, ("exit status %d (a negative status is a signal): %s"
+                         % (status, err[-1500:]))
+    assert "same as plain Gluon" in out
 
 
 # -- 5. several outputs, extra positional inputs, a float constant, shared parameters -------

@@ -35,16 +35,17 @@ must have rows, and every weight argument a call passes must be a parameter):
    "Unexpected shape for bias [12" / "Shape inconsistent, Provided = [12],
    inferred shape=[4]"); plain Gluon runs.
 
-Merging gaps (values correct, launch counts xfail strict):
+Merging gaps (values correct), closed the same day by ``params.noting``
+(a watched Parameter's arrays are noted whenever MXNet makes them):
 
 3. A non-hybrid Block hybridized with dynamic_batch before ``initialize()``:
-   its own parameters are never noted (watch_params runs at hybridize and
-   finds no arrays), so its operators on them run one launch per call
+   its own parameters were never noted (watch_params ran at hybridize and
+   found no arrays), so its operators on them ran one launch per call
    (TiedLM, six 2-token samples: FullyConnected 7, LayerNorm 6 launches
    instead of 2 and 1).
-4. After ``initialize(force_reinit=True)`` the new parameter arrays are
+4. After ``initialize(force_reinit=True)`` the new parameter arrays were
    noted by nothing (the Block's signature/hybridize already happened): every
-   call on a parameter runs per call (FullyConnected 12, LayerNorm 6).
+   call on a parameter ran per call (FullyConnected 12, LayerNorm 6).
 
 No silently different number was found. (Not jitbatch's: MXNet 1.9.1's own
 FullyConnected backward with its weight frozen, grad_req 'null', and its bias
@@ -931,22 +932,11 @@ def test_tied_lm_counts_initialized_first():
     assert seen.get("FullyConnected") == 2 and seen.get("LayerNorm") == 1, seen
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "merging gap, values correct: a non-hybrid Block hybridized with dynamic_batch "
-    "BEFORE initialize() never has its own parameters noted (watch_params runs at "
-    "hybridize and finds no arrays), so nd.FullyConnected(x, self.w.data(), ...) and "
-    "nd.LayerNorm(h, self.gamma.data(), ...) run one launch per call: FullyConnected 7 "
-    "and LayerNorm 6 launches instead of 2 and 1"))
 def test_tied_lm_counts_hybridized_first():
     seen = _lm_counts("hybridize_first")
     assert seen.get("FullyConnected") == 2 and seen.get("LayerNorm") == 1, seen
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "merging gap, values correct: after initialize(force_reinit=True) the parameters "
-    "are new arrays that nothing notes (the Block's were noted at hybridize, the "
-    "Embedding's when its signature was made, which is reused): every call on a "
-    "parameter runs per call, FullyConnected 12 and LayerNorm 6 launches instead of 2 and 1"))
 def test_tied_lm_counts_after_force_reinit():
     seen = _lm_counts("force_reinit")
     assert seen.get("FullyConnected") == 2 and seen.get("LayerNorm") == 1, seen

@@ -24,12 +24,7 @@ from .axis_rules import RANDOM
 from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
 from .meta import HOST_MEMORY, compute_context
-
-
-#: id of a parameter array of a traced dynamic_batch block -> a weak reference to
-#: its Parameter: merged launches read parameters when they run, so a write to
-#: one while calls are pending runs them first (writes.before_write)
-PARAM_ARRAYS = {}
+from .params import watch_params
 
 
 #: MXNet's CachedOp is not safe to build or call from two threads at once (a
@@ -37,25 +32,6 @@ PARAM_ARRAYS = {}
 #: dependency shape is required by pass MXPlanMemory"); threads that flush
 #: their own graphs at once (DataLoader workers) take turns at it
 _CACHED_OPS = threading.RLock()
-
-
-def watch_params(block):
-    """Note ``block``'s initialized parameter arrays in ``PARAM_ARRAYS``."""
-    for p in block.collect_params().values():
-        data = p._data  # pylint: disable=protected-access
-        if data:
-            ref = weakref.ref(p)
-            for arr in data:
-                PARAM_ARRAYS[id(arr)] = ref
-
-
-def is_param(arr):
-    """Whether ``arr`` is a parameter array noted by ``watch_params``."""
-    ref = PARAM_ARRAYS.get(id(arr))
-    if ref is None:
-        return False
-    p = ref()
-    return p is not None and any(a is arr for a in (p._data or ()))  # pylint: disable=protected-access
 
 
 class BlockExec(object):

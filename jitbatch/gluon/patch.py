@@ -35,8 +35,8 @@ from .. import execute
 from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
-from . import _mxapi, contract, guards, meta, outputs, rewrite, signatures
-from .executors import unpinned, watch_params
+from . import _mxapi, contract, guards, meta, outputs, params, rewrite, signatures
+from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
@@ -376,7 +376,7 @@ def _make_hybridize(orig):
                     return
                 b._jb_cfg = cfg
                 if cfg is not None and not isinstance(b, HybridBlock):
-                    watch_params(b)     # its forward may pass them to operators (record._shared)
+                    params.watch_params(b)     # its forward may pass them to operators
                 # hybridize(clear=False) on a block never cleared left it without
                 # a token: its calls' keys would name it by id() alone
                 if cfg is not None and isinstance(b, HybridBlock) and b._jb_token is None:
@@ -507,7 +507,8 @@ def install():
     _set(Parameter, "initialize", guards.make_initialize(Parameter.initialize))
     _set(Parameter, "reset_ctx", guards.make_replacing(Parameter.reset_ctx))
     _set(Block, "register_child", guards.make_register_child(Block.register_child))
-    _set(Parameter, "cast", guards.make_replacing(Parameter.cast))
+    _set(Parameter, "cast", params.noting(guards.make_replacing(Parameter.cast)))
+    _set(Parameter, "_init_impl", params.noting(Parameter._init_impl))
     _set(HybridBlock, "export", guards.pending_first(HybridBlock.export, "export"))
     for name in ("row_sparse_data", "list_row_sparse_data"):
         _set(Parameter, name, guards.pending_first(getattr(Parameter, name), "write"))

@@ -31,9 +31,9 @@ from ..signature import SigInfo
 from . import _mxapi
 from .backend import BACKEND
 from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
-from .executors import is_param
 from .meta import device, meta
 from .modes import mode
+from .params import is_param
 from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
                          copy_signature, exact_key, op_signature, pad_size)
 from .rules import SHARED_WEIGHTS

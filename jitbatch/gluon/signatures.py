@@ -31,12 +31,12 @@ from .. import config as _config
 from ..errors import BatchingError, ContractWarning, first_line
 from ..signature import SigInfo, SignatureTable
 from ..stats import STATS
-from .executors import (PARAM_ARRAYS, BlockExec, ConstExec, CopyExec, OpExec, op_outputs,
-                        ragged_exec, watch_params)
+from .executors import BlockExec, ConstExec, CopyExec, OpExec, op_outputs, ragged_exec
 from .flags import Unhybridized, pad_names
 from .guards import finish_deferred
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
+from .params import forget as forget_params, watch_params
 from . import _mxapi, contract, gradients, opkeys
 from .rules import rule_for, shared_rule
 
@@ -130,7 +130,7 @@ def new_info(sid, key, ex, out_meta, batchable, name):
 
 def forget():
     """Drop every signature (``uninstall``; block instances keep inert tokens)."""
-    PARAM_ARRAYS.clear()
+    forget_params()
     TABLE.clear()
     EXACT.clear()
     _MEASURED.clear()

@@ -27,7 +27,7 @@ from .. import execute, gcdefer
 from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Graph, Node, current_graph
 from . import _mxapi
-from .executors import is_param
+from .params import is_param
 from .kept import note_write
 from .lazy import LazyArray, k_of, node_of, value_of
 
