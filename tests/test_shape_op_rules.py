@@ -8,9 +8,11 @@ and ``nd.reshape(h, shape=(T, 2, -1))`` on a ``(T, 8)`` sequence, called as
 an operator, ran one launch per length ``T`` (its target holds ``T``; the
 lazy array's own ``.reshape`` already copied axis 0). Each is checked here
 against plain Gluon, outputs and gradients, in every policy, training and
-inference, and by counters. The forms without a batched equivalent keep one
-launch per call: ``SequenceMask`` / ``SequenceLast`` along axis 0 (axis 0 is
-time: merging would lengthen the sequences) and ``diag`` of a vector."""
+inference, and by counters. Along axis 0 (time-major, their default)
+``SequenceMask`` / ``SequenceLast`` merge where a sample holds one sequence
+``(T, 1, ...)``; the forms without a batched equivalent keep one launch per
+call: time-major with several sequences per sample (merging would lengthen
+the sequences) and ``diag`` of a vector."""
 import numpy as np
 import pytest
 from mxnet import gluon, nd
@@ -125,7 +127,9 @@ def _reshape_launches(samples):
 
 class AlongTime(gluon.Block):
     """``SequenceMask`` / ``SequenceLast`` along axis 0 (time-major, the
-    default) and ``diag`` of a vector: no batched form."""
+    default): of a sample's one sequence ``(T, 1, 4)`` (merged, viewed as
+    ``(N, T, 4)`` along axis 1) and of two sequences ``(T, 2, 4)`` and
+    ``diag`` of a vector (no batched form: one launch per call)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -137,24 +141,31 @@ class AlongTime(gluon.Block):
         length = nd.array([2])
         masked = nd.SequenceMask(seq, length, use_sequence_length=True, value=1.0)
         last = nd.SequenceLast(seq, length, use_sequence_length=True)           # (1, 4)
-        return nd.sum(masked, axis=0) * last + nd.sum(nd.diag(last[0]), axis=0, keepdims=True)
+        two = nd.concat(seq, seq * 2, dim=1)                          # (T, 2, 4)
+        both = nd.SequenceMask(two, nd.array([1, 2]), use_sequence_length=True)
+        return nd.sum(masked, axis=0) * last + nd.sum(nd.diag(last[0]), axis=0, keepdims=True) \
+            + nd.sum(both, axis=(0, 1)).reshape((1, 4))
 
 
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_kinds_without_a_rule_equal_plain_gluon_per_call(policy, train):
-    samples = _samples(2, lengths=(3,) * 6)
+def test_time_major_sequences_equal_plain_gluon(policy, train):
+    samples = _samples(2, lengths=(3, 3, 2, 3, 4, 3))
     ref = run(initialized(AlongTime(prefix="time_")), _apply, samples, train, flag=False)
     got = run(initialized(AlongTime(prefix="time_")), _apply, samples, train, flag=True,
               policy=policy)
     assert_same(ref, got)
 
 
-def test_kinds_without_a_rule_run_per_call():
+def test_time_major_launches():
+    """Six samples of 3 rows: the one-sequence ``SequenceMask`` and
+    ``SequenceLast`` merge (one launch each; until 2026-11-27 one per call),
+    the two-sequence ``SequenceMask`` and ``diag`` of a vector stay per call
+    (6 each)."""
     net = initialized(AlongTime(prefix="time_"))
     net.hybridize(dynamic_batch=True, policy="depth")
     samples = _samples(3, lengths=(3,) * 6)
     seen = launches_by_name(lambda: nd.concat(*[net(x) for x in samples], dim=0).asnumpy())
-    assert seen.get("SequenceMask") == 6 and seen.get("SequenceLast") == 6, seen
+    assert seen.get("SequenceMask") == 1 + 6 and seen.get("SequenceLast") == 1, seen
     assert seen.get("diag") == 6, seen
     net.hybridize(active=False)

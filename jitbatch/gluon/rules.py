@@ -376,13 +376,18 @@ def _diag(attrs, keys, vals, ins, outs):
     return ("stacked", k2, v2, ins)
 
 
-def _batch_major_sequence(attrs, keys, vals, ins, outs):
+def _sequence(attrs, keys, vals, ins, outs):
     # SequenceMask / SequenceLast along axis 1: the sequences lie along axis 0
-    # with their lengths, so the samples' rows are more sequences; along axis 0
-    # (the default) axis 0 is time and merging would lengthen the sequences
-    if str(attrs.get("axis", 0)) != "1":
+    # with their lengths, so the samples' rows are more sequences. Along axis
+    # 0 (the default) axis 0 is time: a sample's one sequence, (T, 1, ...),
+    # is viewed as (T, ...) and the samples' as (N, T, ...), run along axis 1
+    if str(attrs.get("axis", 0)) == "1":
+        return _leading(attrs, keys, vals, ins, outs)
+    data = ins[0]
+    if len(data) < 3 or data[1] != 1 or any(s != (1,) for s in ins[1:]):
         return None
-    return _leading(attrs, keys, vals, ins, outs)
+    k2, v2 = _shifted(keys, vals, axis="1")
+    return ("stacked", k2, v2, [(data[0],) + tuple(data[2:])] + [()] * (len(ins) - 1))
 
 
 #: operators whose weight arguments (positions) may be one array every call
@@ -476,4 +481,4 @@ RULES["Dropout"] = _dropout
 RULES["reshape_like"] = _reshape_like
 RULES["slice_like"] = _slice_like
 RULES["diag"] = _diag
-RULES["SequenceMask"] = RULES["SequenceLast"] = _batch_major_sequence
+RULES["SequenceMask"] = RULES["SequenceLast"] = _sequence
