@@ -142,19 +142,17 @@ def rows_copied(have, shape, reverse):
     return (0,) + tuple(shape[1:])
 
 
-_RESHAPE_HANDLES = set()
+#: the handles of Reshape (the operator reshape_rows rewrites)
+RESHAPE_HANDLES = frozenset(_mxapi.op_handle(n) for n in ("Reshape", "reshape"))
 
 
 def reshape_rows(handle, keys, vals, have):
-    """The attribute values of an operator call on an array of shape ``have``:
-    a ``Reshape`` whose target counts the rows (``nd.reshape(h, shape=(T, 2,
-    -1))`` on ``T`` rows) gets the same target with axis 0 copied (code 0,
+    """The attribute values of a ``Reshape`` call (``RESHAPE_HANDLES``) on an
+    array of shape ``have``: a target that counts the rows (``nd.reshape(h,
+    shape=(T, 2, -1))`` on ``T`` rows) gets axis 0 copied (code 0,
     ``rows_copied``), so that sequences of any length share its signature;
-    other calls keep ``vals`` as given."""
-    if not _RESHAPE_HANDLES:
-        _RESHAPE_HANDLES.update(_mxapi.op_handle(n) for n in ("Reshape", "reshape"))
-    if handle not in _RESHAPE_HANDLES or "shape" not in keys or "target_shape" in keys or \
-            not have or have[0] < 2:
+    other targets stay as given."""
+    if "shape" not in keys or "target_shape" in keys or not have or have[0] < 2:
         return vals
     attrs = dict(zip(keys, vals))
     if true_attr(attrs.get("reverse")):

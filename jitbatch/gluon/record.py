@@ -261,7 +261,8 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
             # a trial run on an unallocated empty array fails in oneDNN kernels
             return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     mode_ = mode(g)
-    info = op_signature(handle, keys, vals, mc, mode_, output_is_list, _shared(handle, ndargs))
+    info = op_signature(handle, keys, vals, mc, mode_, output_is_list,
+                        _shared(handle, ndargs) if handle in _SHARING else ())
     if info is None:     # its output shapes depend on values: it runs now
         return _mxapi.invoke(handle, ndargs, keys, vals, None, False, output_is_list)
     gr: Graph = g
@@ -289,18 +290,14 @@ def record_op(g, handle, ndargs, keys, vals, output_is_list):
     return outs
 
 
-_SHARING = {}    # operator handle -> the positions of its weights (rules.SHARED_WEIGHTS)
+#: operator handle -> the positions of its weights (rules.SHARED_WEIGHTS)
+_SHARING = {_mxapi.op_handle(k): v for k, v in SHARED_WEIGHTS.items()}
 
 
 def _shared(handle, ndargs):
     """``(position, id)`` of the parameter arrays a call passes as its
     operator's weights (``nd.FullyConnected(h, w.data(), b.data(), ...)``)."""
-    if not _SHARING:
-        _SHARING.update((_mxapi.op_handle(k), v) for k, v in SHARED_WEIGHTS.items())
-    at = _SHARING.get(handle)
-    if at is None:
-        return ()
-    return tuple([(k, id(ndargs[k])) for k in at if k < len(ndargs) and
+    return tuple([(k, id(ndargs[k])) for k in _SHARING[handle] if k < len(ndargs) and
                   type(ndargs[k]) is not LazyArray and is_param(ndargs[k])])
 
 

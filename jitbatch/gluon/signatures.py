@@ -36,6 +36,7 @@ from .flags import Unhybridized, pad_names
 from .guards import finish_deferred
 from .lazy import LazyArray, NotDifferentiableError
 from .meta import check_ctx, meta
+from .opkeys import RESHAPE_HANDLES
 from .params import forget as forget_params, watch_params
 from . import _mxapi, contract, gradients, opkeys
 from .rules import rule_for, shared_rule
@@ -172,7 +173,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list, shared=()):
     an operator whose output shapes depend on values (added to VALUE_SHAPED),
     or a custom one whose shapes its ``infer_shape`` does not give.
     ``shared``: ``(position, id)`` of its weight arguments that are parameters."""
-    if metas:
+    if handle in RESHAPE_HANDLES and metas:
         vals = opkeys.reshape_rows(handle, keys, vals, metas[0][0])
     vkey = tuple(vals)
     try:
