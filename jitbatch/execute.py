@@ -73,11 +73,13 @@ def flush(graph, backend, policy="auto", budget=None, forced=False, reason="flus
         return
     limit = graph.limit       # the graph's chunk size, if pipelined (take resets it)
     held = graph.reads        # what the pending calls read stays alive through the flush
-    nodes = graph.take()
     collecting = config.defer_gc
     if collecting:
+        # before take(): a collection its allocations start would run finalizers
+        # that read nodes it has taken and not yet computed
         gcdefer.pause()
     try:
+        nodes = graph.take()
         chunk_size = limit if limit < config.max_pending else None
         if first is None:
             _flush(graph, nodes, backend, policy, budget, forced, reason, granularity,
