@@ -124,3 +124,62 @@ def test_a_weight_made_per_call_runs_per_call():
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert seen.get("FullyConnected") == 5 and seen.get("Dense") is None, seen
+
+
+class TiedDot(gluon.Block):
+    """An output layer tied to the embedding through ``nd.dot`` (the rows of
+    each sample's states against the table, ``transpose_b``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.embed = gluon.nn.Embedding(V, E)
+            self.cell = gluon.nn.Dense(E, in_units=E, flatten=False, activation="tanh")
+
+    def forward(self, ids):  # pylint: disable=arguments-differ
+        h = self.cell(self.embed(ids))                                              # (T, E)
+        return nd.dot(h, self.embed.weight.data(), transpose_b=True)               # (T, V)
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_dot_with_the_embedding_equals_plain_gluon(policy, train):
+    samples = _samples(5)
+    mx.random.seed(0)
+    ref_net = TiedDot(prefix="tied_")
+    ref_net.initialize(mx.init.Uniform(0.5))
+    mx.random.seed(0)
+    net = TiedDot(prefix="tied_")
+    net.initialize(mx.init.Uniform(0.5))
+    ref = run(ref_net, _apply, samples, train, flag=False)
+    got = run(net, _apply, samples, train, flag=True, policy=policy)
+    assert_same(ref, got)
+
+
+def test_a_dot_with_the_embedding_passes_the_table_once(monkeypatch):
+    """Seven samples of four lengths: one ``dot`` launch per length, each
+    given the (V, E) table as it is; until 2026-11-27 the same launches ran
+    as ``batch_dot`` over one copy of the table per sample (a (n, V, E)
+    input)."""
+    from jitbatch.gluon import _mxapi, executors
+    shapes = []
+    orig = _mxapi.run_op
+
+    def spy(handle, ins, keys, vals):
+        shapes.append([tuple(x.shape) for x in ins])
+        return orig(handle, ins, keys, vals)
+    monkeypatch.setattr(executors._mxapi, "run_op", spy)   # pylint: disable=protected-access
+    mx.random.seed(0)
+    net = TiedDot(prefix="tied_")
+    net.initialize(mx.init.Uniform(0.5))
+    net.hybridize(dynamic_batch=True, policy="depth")
+    samples = _samples(6)
+    lengths = len({s.shape[0] for s in samples})
+    seen = launches_by_name(lambda: nd.concat(*[net(x) for x in samples], dim=0).asnumpy())
+    net.hybridize(active=False)
+    assert seen.get("dot") == lengths, seen
+    tables = [s for s in shapes if any(len(t) == 3 and t[1:] == (V, E) for t in s)]
+    assert not tables, tables
+    # the merged launches: several samples' rows against the one table
+    assert any(len(s) == 2 and s[1] == (V, E) and s[0][0] > max(
+        x.shape[0] for x in samples) for s in shapes), shapes

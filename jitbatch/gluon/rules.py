@@ -394,7 +394,7 @@ def _sequence(attrs, keys, vals, ins, outs):
 #: passes (a parameter's ``data()``): merged, each such argument is passed
 #: once, as is, and the others' rows are the samples' (axis 0 kept apart)
 SHARED_WEIGHTS = {"FullyConnected": (1, 2), "Embedding": (1,), "take": (0,),
-                  "LayerNorm": (1, 2)}
+                  "LayerNorm": (1, 2), "dot": (1,)}
 
 
 def shared_rule(name, keys, vals, ins, outs, shared):
@@ -421,6 +421,9 @@ def shared_rule(name, keys, vals, ins, outs, shared):
         return None
     if name == "Embedding" and true_attr(attrs.get("sparse_grad")):
         return None
+    if name == "dot" and (true_attr(attrs.get("transpose_a")) or len(rest[0]) < 2 or
+                          attrs.get("forward_stype") not in (None, "None")):
+        return None             # (the rows of a transposed lhs are its columns)
     return ("elemwise", keys, vals, None)
 
 # -- the registry ------------------------------------------------------------------------
