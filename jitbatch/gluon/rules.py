@@ -242,12 +242,19 @@ def _broadcast_like(attrs, keys, vals, ins, outs):
     return ("stacked", k2, v2, ins)
 
 
-def _swap_axes(attrs, keys, vals, ins, outs):
-    axes = _norm_axes((attrs.get("dim1", 0), attrs.get("dim2", 0)), len(ins[0]))
+def _axes_moved(attrs, keys, vals, ins, **defaults):
+    """'stacked', the axis attributes named in ``defaults`` (their defaults
+    where absent) read in the sample's rank and moved past the samples' axis;
+    None for an axis out of range."""
+    axes = _norm_axes(tuple(attrs.get(n, d) for n, d in defaults.items()), len(ins[0]))
     if axes is None:
         return None
-    k2, v2 = _shifted(keys, vals, dim1=str(axes[0] + 1), dim2=str(axes[1] + 1))
+    k2, v2 = _shifted(keys, vals, **{n: str(a + 1) for n, a in zip(defaults, axes)})
     return ("stacked", k2, v2, ins)
+
+
+def _swap_axes(attrs, keys, vals, ins, outs):
+    return _axes_moved(attrs, keys, vals, ins, dim1=0, dim2=0)
 
 
 def _gemm2(attrs, keys, vals, ins, outs):
@@ -255,11 +262,7 @@ def _gemm2(attrs, keys, vals, ins, outs):
     # being a batch: the samples' axis is one more
     if len(ins) != 2 or len(ins[0]) != len(ins[1]) or len(ins[0]) < 2:
         return None
-    axis = _norm_axes(attrs.get("axis", -2), len(ins[0]))
-    if axis is None:
-        return None
-    k2, v2 = _shifted(keys, vals, axis=str(axis[0] + 1))
-    return ("stacked", k2, v2, ins)
+    return _axes_moved(attrs, keys, vals, ins, axis=-2)
 
 
 def _transpose(attrs, keys, vals, ins, outs):
@@ -369,11 +372,7 @@ def _diag(attrs, keys, vals, ins, outs):
     # samples'; a vector's diagonal matrix has no batched form
     if len(ins) != 1 or len(ins[0]) < 2:
         return None
-    axes = _norm_axes((attrs.get("axis1", 0), attrs.get("axis2", 1)), len(ins[0]))
-    if axes is None:
-        return None
-    k2, v2 = _shifted(keys, vals, axis1=str(axes[0] + 1), axis2=str(axes[1] + 1))
-    return ("stacked", k2, v2, ins)
+    return _axes_moved(attrs, keys, vals, ins, axis1=0, axis2=1)
 
 
 def _sequence(attrs, keys, vals, ins, outs):
