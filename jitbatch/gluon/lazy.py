@@ -24,7 +24,6 @@ from .. import execute
 from ..errors import BatchingError, StaleValueError
 from ..graph import Composite, Graph, Node, Ref, current_graph, recorder
 from . import _mxapi
-from .opkeys import rows_copied
 from .interleave import in_sample
 from .kept import keeps_recorded, note_read
 from .layout import extent
@@ -257,8 +256,9 @@ class LazyArray(NDArray, Ref):
         if self._value is not None or node is DETACHED or \
                 (type(node) is Node and node.batch is not None):
             return NDArray.reshape(self.value(), shape, **kwargs)
-        out = _nd.reshape(self, shape=rows_copied(self._shape, shape, kwargs.get("reverse")),
-                          **kwargs)
+        # (a target counting the rows is recorded with axis 0 copied:
+        # opkeys.reshape_rows, as for every Reshape call)
+        out = _nd.reshape(self, shape=shape, **kwargs)
         if type(out) is LazyArray:
             track_view(out, self, out._shape)
         return out
