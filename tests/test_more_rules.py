@@ -13,7 +13,7 @@ import pytest
 from mxnet import autograd, gluon, nd
 
 from harness import assert_same, run
-from heldout import initialized, launches_by_name
+from heldout import initialized, launches_by_name, square_loss
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 LENGTHS = (3, 5, 3, 1, 4, 5, 3, 2)
@@ -54,17 +54,12 @@ def _samples(seed, lengths=LENGTHS):
     return [nd.array(rng.normal(size=(t, 3))) for t in lengths]
 
 
-def _apply(net, x):
-    out = net(x)
-    return out, nd.sum(out * out)
-
-
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_operators_between_blocks_equal_plain_gluon(policy, train):
     samples = _samples(0)
-    ref = run(initialized(Between(prefix="between_")), _apply, samples, train, flag=False)
-    got = run(initialized(Between(prefix="between_")), _apply, samples, train, flag=True,
+    ref = run(initialized(Between(prefix="between_")), square_loss, samples, train, flag=False)
+    got = run(initialized(Between(prefix="between_")), square_loss, samples, train, flag=True,
               policy=policy)
     assert_same(ref, got)
 
@@ -112,8 +107,8 @@ class Leftout(gluon.Block):
 @pytest.mark.parametrize("train", [False, True])
 def test_kinds_without_a_rule_run_per_call(train):
     samples = _samples(2, lengths=(1,) * 6)
-    ref = run(initialized(Leftout(prefix="left_")), _apply, samples, train, flag=False)
-    got = run(initialized(Leftout(prefix="left_")), _apply, samples, train, flag=True,
+    ref = run(initialized(Leftout(prefix="left_")), square_loss, samples, train, flag=False)
+    got = run(initialized(Leftout(prefix="left_")), square_loss, samples, train, flag=True,
               policy="depth")
     assert_same(ref, got)
     net = initialized(Leftout(prefix="left_"))

@@ -18,7 +18,7 @@ import pytest
 from mxnet import gluon, nd
 
 from harness import assert_same, run
-from heldout import initialized, launches_by_name
+from heldout import initialized, launches_by_name, square_loss
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 LENGTHS = (3, 5, 3, 1, 4, 5, 3, 2)
@@ -65,17 +65,12 @@ def _samples(seed, lengths=LENGTHS):
     return [nd.array(rng.normal(size=(t, 3))) for t in lengths]
 
 
-def _apply(net, x):
-    out = net(x)
-    return out, nd.sum(out * out)
-
-
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_shape_operators_equal_plain_gluon(policy, train):
     samples = _samples(0)
-    ref = run(initialized(ShapeOps(prefix="shapes_")), _apply, samples, train, flag=False)
-    got = run(initialized(ShapeOps(prefix="shapes_")), _apply, samples, train, flag=True,
+    ref = run(initialized(ShapeOps(prefix="shapes_")), square_loss, samples, train, flag=False)
+    got = run(initialized(ShapeOps(prefix="shapes_")), square_loss, samples, train, flag=True,
               policy=policy)
     assert_same(ref, got)
 
@@ -151,8 +146,8 @@ class AlongTime(gluon.Block):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_time_major_sequences_equal_plain_gluon(policy, train):
     samples = _samples(2, lengths=(3, 3, 2, 3, 4, 3))
-    ref = run(initialized(AlongTime(prefix="time_")), _apply, samples, train, flag=False)
-    got = run(initialized(AlongTime(prefix="time_")), _apply, samples, train, flag=True,
+    ref = run(initialized(AlongTime(prefix="time_")), square_loss, samples, train, flag=False)
+    got = run(initialized(AlongTime(prefix="time_")), square_loss, samples, train, flag=True,
               policy=policy)
     assert_same(ref, got)
 

@@ -19,7 +19,7 @@ import mxnet as mx
 from mxnet import gluon, nd
 
 from harness import assert_same, run
-from heldout import launches_by_name
+from heldout import launches_by_name, square_loss
 
 POLICIES = ["depth", "agenda", "sequential", "auto"]
 V, E, H = 11, 6, 5
@@ -64,17 +64,12 @@ def _samples(seed, lengths=(3, 1, 4, 3, 2, 4, 3)):
     return [nd.array(rng.integers(0, V, size=t)) for t in lengths]
 
 
-def _apply(net, ids):
-    out = net(ids)
-    return out, nd.sum(out * out)
-
-
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_operators_on_parameters_equal_plain_gluon(policy, train):
     samples = _samples(0)
-    ref = run(_net(), _apply, samples, train, flag=False)
-    got = run(_net(), _apply, samples, train, flag=True, policy=policy)
+    ref = run(_net(), square_loss, samples, train, flag=False)
+    got = run(_net(), square_loss, samples, train, flag=True, policy=policy)
     assert_same(ref, got)
 
 
@@ -151,8 +146,8 @@ def test_a_dot_with_the_embedding_equals_plain_gluon(policy, train):
     mx.random.seed(0)
     net = TiedDot(prefix="tied_")
     net.initialize(mx.init.Uniform(0.5))
-    ref = run(ref_net, _apply, samples, train, flag=False)
-    got = run(net, _apply, samples, train, flag=True, policy=policy)
+    ref = run(ref_net, square_loss, samples, train, flag=False)
+    got = run(net, square_loss, samples, train, flag=True, policy=policy)
     assert_same(ref, got)
 
 
