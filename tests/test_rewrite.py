@@ -11,7 +11,7 @@ from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
 from jitbatch.gluon import rewrite
-from harness import assert_same, run
+from harness import assert_same, run, run_configured
 
 POLICIES = ["auto", "depth", "agenda", "sequential"]
 
@@ -31,8 +31,10 @@ class Acts(HybridBlock):
             + F.softsign(y)
 
 
-def ops_of(block):
-    inputs, out = block._cached_graph  # pylint: disable=protected-access
+def ops_of(block, merged=True):
+    """(operator, act_type) of ``block``'s merged graph, or (``merged=False``)
+    of its own traced graph."""
+    out = rewrite.merged_graph(block) if merged else block._cached_graph[1]  # pylint: disable=protected-access
     return [(n["op"], n.get("attrs", {}).get("act_type"))
             for n in json.loads(out.tojson())["nodes"] if n["op"] != "null"]
 
@@ -80,6 +82,71 @@ def test_which_operators_are_swapped():
     net(x).asnumpy()
     assert ("sigmoid", None) in ops_of(net) and ("tanh", None) in ops_of(net)
     net.hybridize(active=False)
+
+
+def test_the_block_keeps_its_graph_for_calls_no_launch_merges():
+    """The kernel choices are the launches' graph; the block's own graph (what
+    its eager calls run) keeps MXNet's operators."""
+    net = Acts()
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    net(nd.ones((1, 4))).asnumpy()
+    own = ops_of(net, merged=False)
+    assert ("sigmoid", None) in own and ("tanh", None) in own, own
+    assert ("Activation", "sigmoid") in ops_of(net)
+    net.hybridize(active=False)
+
+
+def _chain(net, x, steps=6):
+    """Each call reads the previous one's output: nothing to merge."""
+    for _ in range(steps):
+        x = net(x)[:, :4]
+    return x
+
+
+def _bits(ref, got):
+    for a, b in zip(ref[0], got[0]):
+        assert np.array_equal(a, b)
+    for k in ref[1]:
+        assert np.array_equal(ref[1][k], got[1][k]), k
+
+
+#: a sample of 16 rows: its values round apart somewhere where kernels differ
+SAMPLE = nd.array(np.random.default_rng(5).normal(size=(16, 4)) * 3)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_an_eager_call_is_plain_hybridize_bit_for_bit(train):
+    """A call 'auto' runs eagerly after a flush that merged nothing runs the
+    block's own graph: outputs and gradients of plain hybridize(), bit for
+    bit, where the launches' Activation kernels round apart."""
+    net = Acts()
+    net.initialize()
+    ref = run(net, apply, [SAMPLE], train, flag=False, hybridize_plain=True)
+    net.hybridize(dynamic_batch=True)
+    _chain(net, nd.ones((16, 4))).asnumpy()     # 'auto' runs the next calls eagerly
+    jitbatch.reset_stats()
+    got = run_configured(net, apply, [SAMPLE], train)
+    _bits(ref, got)
+    assert jitbatch.stats()["flushes"] == 0      # it ran unrecorded
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_a_sample_launched_alone_or_merged_gets_the_same_bits(policy, train):
+    """Every launch runs the merged graph, whatever its size: a sample's values
+    do not depend on what it merged with (its flush alone, or among others)."""
+    net = Acts()
+    net.initialize()
+    rng = np.random.default_rng(6)
+    others = [nd.array(rng.normal(size=(16, 4)) * 3) for _ in range(5)]
+    alone = run(net, apply, [SAMPLE], train, flag=True, policy=policy)
+    merged = run(net, apply, others[:2] + [SAMPLE] + others[2:], train, flag=True,
+                 policy=policy)
+    for a, b in ((alone[0][0], merged[0][2]), (alone[0][1], merged[0][8])):
+        assert np.array_equal(a, b)
+    plain = run(net, apply, [SAMPLE], train, flag=False, hybridize_plain=True)
+    assert not np.array_equal(plain[0][0], alone[0][0])   # the kernels do differ
 
 
 def test_config_off_keeps_the_operators():
@@ -142,8 +209,9 @@ class Splits(HybridBlock):
 
 
 def split_ops(block):
-    """(squeeze_axis, whether its input is the rewrite's Reshape) per split."""
-    inputs, out = block._cached_graph  # pylint: disable=protected-access
+    """(squeeze_axis, whether its input is the rewrite's Reshape) per split of
+    ``block``'s merged graph."""
+    out = rewrite.merged_graph(block)
     nodes = json.loads(out.tojson())["nodes"]
     return [(n.get("attrs", {}).get("squeeze_axis"),
              nodes[n["inputs"][0][0]]["name"].endswith("_jbgroups"))

@@ -25,6 +25,7 @@ from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
 from .meta import HOST_MEMORY, compute_context
 from .params import watch_params
+from .rewrite import merged_graph
 
 
 #: MXNet's CachedOp is not safe to build or call from two threads at once (a
@@ -82,11 +83,22 @@ class BlockExec(object):
             ins = unpinned(gather.gather_batch(batch))
             if self.mode[0]:
                 ins = detached(ins, self.cut)
+            # launches run the merged graph, where the block's own differs
+            # (rewrite.rewrite_traced; with an op hook, MXNet's call of its own)
+            fast = block._jb_fast is not None  # pylint: disable=protected-access
             with _CACHED_OPS:
-                # not while recording: MXNet's static CachedOp, called again in
-                # one recording, can differentiate wrongly (docs/design.rst)
-                op = None if block._cached_op is None or block._callback or \
-                    self.mode[0] else self._static_op(block, ins)  # pylint: disable=protected-access
+                if fast and block._cached_op is None and not block._callback:  # pylint: disable=protected-access
+                    block._build_cache()  # pylint: disable=protected-access
+                if block._cached_op is None or block._callback:  # pylint: disable=protected-access
+                    op = None
+                elif self.mode[0]:
+                    # not while recording: MXNet's static CachedOp, called again in
+                    # one recording, can differentiate wrongly (docs/design.rst)
+                    op = _fast_dynamic(block) if fast else None
+                else:
+                    op = self._static_op(block, ins)
+                    if op is None and fast:
+                        op = _fast_dynamic(block)
                 if op is None:
                     it = iter(ins)
                     flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
@@ -109,7 +121,8 @@ class BlockExec(object):
         finish(batch, outs)
 
     def _static_op(self, block, ins):
-        """A CachedOp of ``block``'s graph with MXNet's static memory and shapes
+        """A CachedOp of ``block``'s merged graph (``rewrite.merged_graph``)
+        with MXNet's static memory and shapes
         for inference launches with these input shapes: MXNet's dynamic
         CachedOp allocates every intermediate array on every call (and frees
         it, one engine operation each) and plans shapes and memory each time;
@@ -135,7 +148,7 @@ class BlockExec(object):
                  ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
                  ("static_alloc", True), ("static_shape", True)] + \
             [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
-        op = entry[0] = _mxapi.CachedOp(block._cached_graph[1], flags)  # pylint: disable=protected-access
+        op = entry[0] = _mxapi.CachedOp(merged_graph(block), flags)
         return op
 
     def _each(self, batch):
@@ -176,6 +189,23 @@ def unpinned(arrays):
             return [x.as_in_context(compute_context(x.context)) if isinstance(x, nd.NDArray)
                     else x for x in arrays]
     return arrays
+
+
+def _fast_dynamic(block):
+    """A dynamic CachedOp of ``block``'s merged graph (``rewrite.merged_graph``)
+    where it differs from the block's own graph: for recording launches, and
+    for inference launches of a shape without a static one. Made beside the
+    block's own CachedOp (which the calls no launch merges run) and remade
+    with it."""
+    base = block._cached_op  # pylint: disable=protected-access
+    held = block.__dict__.get("_jb_fast_op")
+    if held is None or held[0] is not base:
+        args = block._cached_op_args  # pylint: disable=protected-access
+        flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
+                 ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg])] + \
+            list(block._flags)  # pylint: disable=protected-access
+        held = block.__dict__["_jb_fast_op"] = (base, _mxapi.CachedOp(merged_graph(block), flags))
+    return held[1]
 
 
 class StaticOps(object):

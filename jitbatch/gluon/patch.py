@@ -389,6 +389,8 @@ def _make_hybridize(orig):
 
 def _clear(self):
     _mxapi.clear_cached_op(self)
+    self.__dict__.pop("_jb_fast", None)      # its merged graph (rewrite.rewrite_traced)
+    self.__dict__.pop("_jb_fast_op", None)
     renew_token(self)  # new structure: old signatures no longer apply
 
 
@@ -432,9 +434,9 @@ def _traced_in_this_mode(block):
 
 def _get_graph(self, *args):
     """MXNet's tracing, then, for a ``dynamic_batch`` block, the graph rewrites
-    of :mod:`.rewrite` (once, when the graph is traced; every later use of the
-    block's graph, merged or per sample, runs the rewritten one); one thread
-    at a time. A flagged block whose tracing asks the autograd mode, or whose
+    of :mod:`.rewrite` (once, when the graph is traced: launches run the
+    rewritten graph, calls no launch merges the block's own); one thread at a
+    time. A flagged block whose tracing asks the autograd mode, or whose
     graph makes sparse storage, is left unhybridized (``Unhybridized``)."""
     with _TRACING:
         if self._jb_cfg is not None:
@@ -471,7 +473,7 @@ def _get_graph(self, *args):
         else:
             res = _mxapi.get_graph(self, *args)
         if fresh and self._jb_cfg is not None:
-            counts = rewrite.rewrite_traced(self)
+            counts = rewrite.rewrite_traced(self, rewrite.float32_only(self, args))
             if any(counts.values()):
                 STATS.add(**counts)
                 res = self._cached_graph  # pylint: disable=protected-access
@@ -493,6 +495,7 @@ def install():
     _set(Block, "__call__", _call)
     _set(HybridBlock, "_jb_token", None)
     _set(HybridBlock, "_jb_pad", None)
+    _set(HybridBlock, "_jb_fast", None)
     _set(HybridBlock, "_jb_pad_names", None)
     _set(HybridBlock, "forward", _forward)
     _set(HybridBlock, "_clear_cached_op", _clear)

@@ -1,7 +1,10 @@
 """Graph rewrites applied to the traced graph of a ``dynamic_batch`` block: kernel choice.
 
 jitbatch owns the graph it launches, so it may choose, for each operator the
-user wrote, the fastest MXNet kernel that computes the same function.
+user wrote, the fastest MXNet kernel that computes the same function. The
+kernel choices pay on many rows and cost on one: every launch runs them
+(``merged_graph``); the calls no launch merges run the block's own graph,
+which keeps only the correctness rewrites (``rewrite_traced``).
 
 ``fast_activations``: MXNet's standalone elementwise ``sigmoid`` and ``tanh``
 operators are plain loops (on this project's CPU: ``tanh`` ~18 ns per element
@@ -36,6 +39,8 @@ bit, and the gradients of per-sample Gluon.
 ``copied_inputs`` (always on: a correctness rewrite): an output that is one of
 the block's inputs becomes an ``identity`` of it (see the function)."""
 import json
+
+import numpy as np
 
 from mxnet import symbol as _sym
 
@@ -159,15 +164,16 @@ def copied_inputs(graph):
     return count
 
 
-def rewrite(out):
+def rewrite(out, fast=True):
     """``(symbol, counts)``: ``out`` with the rewrites ``config`` turns on
-    applied; ``counts`` maps each rewrite's name to how many operators it
-    changed; ``out`` itself where nothing changed."""
+    applied (``fast=False``: the correctness rewrites only); ``counts`` maps
+    each rewrite's name to how many operators it changed; ``out`` itself where
+    nothing changed."""
     graph = json.loads(out.tojson())
     counts = {}
-    if _config.fast_activations:
+    if fast and _config.fast_activations:
         counts["fast_activations"] = fast_activations(graph)
-    if _config.fast_splits:
+    if fast and _config.fast_splits:
         counts["fast_splits"] = fast_splits(graph)
     counts["exact_prelu"] = exact_prelu(graph)
     counts["copied_inputs"] = copied_inputs(graph)
@@ -176,13 +182,63 @@ def rewrite(out):
     return _sym.load_json(json.dumps(graph)), counts
 
 
-def rewrite_traced(block):
-    """Apply :func:`rewrite` to ``block``'s traced graph (``_cached_graph``,
-    set by MXNet's ``_get_graph``) in place; returns the counts."""
+#: the rewrites that choose kernels (the others make a graph exact)
+KERNEL_CHOICE = ("fast_activations", "fast_splits")
+
+
+def rewrite_traced(block, plain_ok=True):
+    """Rewrite ``block``'s traced graph (``_cached_graph``, set by MXNet's
+    ``_get_graph``) and return the counts of every rewrite. Merged launches run
+    it with every rewrite (:func:`merged_graph`). Where ``plain_ok`` and the
+    kernel choices changed something, the block keeps it with the correctness
+    rewrites only, for the calls no launch merges (run eagerly where 'auto'
+    found nothing to merge, or per sample by contract): there the kernel
+    choices cost more than they save, and that graph is plain
+    ``hybridize()``'s computation. Otherwise the block's own graph is the
+    merged one."""
     inputs, out = block._cached_graph  # pylint: disable=protected-access
-    new, counts = rewrite(out)
-    if any(counts.values()):
-        if type(out) is not type(new):     # traced under npx.set_np(): keep it an np symbol
-            new = new.as_np_ndarray()
-        block._cached_graph = (inputs, new)  # pylint: disable=protected-access
+    fast, counts = rewrite(out)
+    plain = None
+    if plain_ok and any(counts.get(k) for k in KERNEL_CHOICE):
+        plain, _ = rewrite(out, fast=False)
+        if type(out) is not type(plain):    # traced under npx.set_np(): keep np symbols
+            plain = plain.as_np_ndarray()
+    if type(out) is not type(fast):
+        fast = fast.as_np_ndarray()
+    if plain is None:
+        block.__dict__["_jb_fast"] = None
+        own = fast
+    else:
+        block.__dict__["_jb_fast"] = fast
+        own = plain
+    block.__dict__.pop("_jb_fast_op", None)
+    if own is not out:
+        block._cached_graph = (inputs, own)  # pylint: disable=protected-access
     return counts
+
+
+def float32_only(block, args):
+    """Whether ``block``'s parameters and the arrays it is traced on (nested
+    lists) are all float32. On other types its own graph stays the merged one:
+    MXNet 1.9.1's CPU kernels fail on some float16 graphs of standalone
+    operators ("unknown type for MKLDNN", plain ``hybridize()`` too) that the
+    kernel choices avoid."""
+    stack = list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+        elif a is not None and np.dtype(a.dtype) != np.float32:
+            return False
+    for p in block.collect_params().values():
+        if np.dtype(p.dtype) != np.float32:
+            return False
+    return True
+
+
+def merged_graph(block):
+    """The graph every launch of ``block`` runs: its traced graph with every
+    rewrite (the kernel choices too), whatever the launch's size, so that a
+    sample's values do not depend on what it merged with."""
+    fast = block._jb_fast  # pylint: disable=protected-access
+    return block._cached_graph[1] if fast is None else fast  # pylint: disable=protected-access

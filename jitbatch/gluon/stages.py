@@ -30,6 +30,7 @@ from ..graph import _sources
 from . import _mxapi
 from .executors import BlockExec
 from .lazy import new_lazy
+from .rewrite import merged_graph
 from .signatures import STAGE_IN, STAGE_MAIN, TABLE, derived_key, new_info
 
 __all__ = ["StagePlan", "plan_for", "partition"]
@@ -202,7 +203,7 @@ def _make_plan(info, nodes):
     cached = getattr(block, "_cached_graph", None)
     if not cached:
         return None
-    inputs, out = cached
+    inputs, out = cached[0], merged_graph(block)
     names = [s.name for s in inputs]
     if len(names) != n_in:
         return None
