@@ -10,7 +10,7 @@ from mxnet.gluon import HybridBlock, nn
 from mxnet.ndarray import register
 
 import jitbatch
-from harness import assert_same, run
+from harness import SCALE_TOL, assert_same, run
 from models import BinaryTreeNet, binary_samples
 
 
@@ -871,6 +871,13 @@ def test_values_read_mid_sample_do_not_keep_the_rest_of_it_recorded():
         b.hybridize(active=False)
 
 
+def _scaled_close(got, want):
+    """Within 1e-5 of each entry or SCALE_TOL of the array's largest: merged
+    launches sum in another order, and an entry 1e-3 of the largest moved by
+    2.5e-5 of itself (seen under another test order)."""
+    return np.allclose(got, want, rtol=1e-5, atol=SCALE_TOL * float(np.abs(want).max()))
+
+
 def _loss_minibatch(loss, labels, policy, head=lambda y: y):
     """Six samples through a Dense layer and ``loss`` (per sample, labels
     concrete), plain and then batched under ``policy``: (plain total and weight
@@ -904,7 +911,7 @@ def test_a_per_sample_loss_merges_its_label_arithmetic(policy):
     # and gradients stay those of plain Gluon
     (want, want_grad), (got, grad, st), ys = _loss_minibatch(
         gluon.loss.KLDivLoss(from_logits=True), nd.softmax, policy, head=nd.log_softmax)
-    assert np.allclose(got, want, rtol=1e-5) and np.allclose(grad, want_grad, rtol=1e-5)
+    assert np.allclose(got, want, rtol=1e-5) and _scaled_close(grad, want_grad)
     # per sample: dense, log_softmax, label + 1e-12, log, minus, mul, mean; then add_n
     assert st["nodes"] == 6 * 7 + 1
     assert st["launches"] == (st["nodes"] if policy == "sequential" else 8)
@@ -945,7 +952,7 @@ def test_a_hybridized_loss_on_lazy_outputs_merges_instead_of_flushing(policy):
     loss = gluon.loss.L2Loss()
     loss.hybridize()
     (want, want_grad), (got, grad, st), _ = _loss_minibatch(loss, lambda y: y, policy)
-    assert np.allclose(got, want, rtol=1e-5) and np.allclose(grad, want_grad, rtol=1e-5)
+    assert np.allclose(got, want, rtol=1e-5) and _scaled_close(grad, want_grad)
     per_sample = (st["nodes"] - 1) // 6       # the dense call and the loss's operators
     assert st["nodes"] == 6 * per_sample + 1 and per_sample >= 4
     assert st["flushes"] == 1
