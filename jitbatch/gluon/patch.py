@@ -3,7 +3,8 @@
 Every patch is recorded and reverted by ``uninstall()`` in reverse order. The
 shims only decide whether a call is jitbatch's business and hand it to
 ``record``: ``Block.__call__`` and ``HybridBlock.forward`` (flagged block
-calls), MXNet's operator entry point (operators on lazy arrays),
+calls), MXNet's operator entry point (operators on lazy arrays; a lazy
+array's arithmetic goes to it directly, :mod:`.arith`),
 ``nd.stack`` (stacks of lazy rows), ``hybridize`` (the flags, tree-wide),
 ``_clear_cached_op`` (new signatures) and ``_get_graph`` (graph rewrites; a
 block whose tracing asks the autograd mode is left unhybridized). The guards
@@ -35,7 +36,7 @@ from .. import execute
 from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
-from . import _mxapi, contract, guards, meta, outputs, params, rewrite, signatures
+from . import _mxapi, arith, contract, guards, meta, outputs, params, rewrite, signatures
 from .executors import unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
@@ -505,6 +506,8 @@ def install():
     _set(register, "_imperative_invoke", _invoke)
     _set(register, "_verify_all_legacy_ndarrays", _verify_legacy)
     _set(NDArray, "__setitem__", setitem)
+    for name, method in arith.methods(_invoke).items():
+        _set(LazyArray, name, method)
     _set(NDArray, "copyto", _copyto)
     _set(NDArray, "_advanced_index_to_array", staticmethod(_index_array))
     _set(Parameter, "initialize", guards.make_initialize(Parameter.initialize))
