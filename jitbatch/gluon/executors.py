@@ -31,8 +31,9 @@ from .rewrite import merged_graph
 #: MXNet's CachedOp is not safe to build or call from two threads at once (a
 #: second thread's call can find its graph's shapes half set: "Graph attr
 #: dependency shape is required by pass MXPlanMemory"); threads that flush
-#: their own graphs at once (DataLoader workers) take turns at it
-_CACHED_OPS = threading.RLock()
+#: their own graphs at once (DataLoader workers), and eager calls (patch),
+#: take turns at it
+CACHED_OPS = threading.RLock()
 
 
 class BlockExec(object):
@@ -86,7 +87,7 @@ class BlockExec(object):
             # launches run the merged graph, where the block's own differs
             # (rewrite.rewrite_traced; with an op hook, MXNet's call of its own)
             fast = block._jb_fast is not None  # pylint: disable=protected-access
-            with _CACHED_OPS:
+            with CACHED_OPS:
                 if fast and block._cached_op is None and not block._callback:  # pylint: disable=protected-access
                     block._build_cache()  # pylint: disable=protected-access
                 if block._cached_op is None or block._callback:  # pylint: disable=protected-access
@@ -162,7 +163,7 @@ class BlockExec(object):
                     ins = detached(ins, self.cut)
                 it = iter(ins)
                 args = _regroup([None if f == -1 else next(it) for f in leaves], self.fmt)
-                with _CACHED_OPS:
+                with CACHED_OPS:
                     res = self.block._call_cached_op(*args)  # pylint: disable=protected-access
                 outs, _ = _flatten(res, "output")
                 finish([node], outs)

@@ -37,7 +37,7 @@ from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, arith, contract, guards, meta, outputs, params, rewrite, signatures
-from .executors import unpinned
+from .executors import CACHED_OPS, unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
 from .fused import stateless
@@ -229,7 +229,8 @@ def _forward(self, x, *args):
         g: Graph = current_graph()
         if g.passthrough and not g.nodes and not _any_pending((x,) + args):
             g.passthrough -= 1     # 'auto' found nothing to merge: run eagerly
-            return _mxapi.hybrid_forward(self, x, *args)
+            with CACHED_OPS:       # other threads' calls and launches take turns
+                return _mxapi.hybrid_forward(self, x, *args)
         if not g.executing:
             res = record_block(self, g, x, args, _getframe(0))  # pylint: disable=protected-access
             if res is not None:
