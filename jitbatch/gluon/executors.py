@@ -25,7 +25,7 @@ from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
 from .meta import HOST_MEMORY, compute_context
 from .params import watch_params
-from .rewrite import merged_graph
+from .rewrite import merged_graph, merged_op
 
 
 #: MXNet's CachedOp is not safe to build or call from two threads at once (a
@@ -95,11 +95,11 @@ class BlockExec(object):
                 elif self.mode[0]:
                     # not while recording: MXNet's static CachedOp, called again in
                     # one recording, can differentiate wrongly (docs/design.rst)
-                    op = _fast_dynamic(block) if fast else None
+                    op = merged_op(block) if fast else None
                 else:
                     op = self._static_op(block, ins)
                     if op is None and fast:
-                        op = _fast_dynamic(block)
+                        op = merged_op(block)
                 if op is None:
                     it = iter(ins)
                     flat = [None if f == -1 else next(it) for f in _format_leaves(self.fmt)]
@@ -190,23 +190,6 @@ def unpinned(arrays):
             return [x.as_in_context(compute_context(x.context)) if isinstance(x, nd.NDArray)
                     else x for x in arrays]
     return arrays
-
-
-def _fast_dynamic(block):
-    """A dynamic CachedOp of ``block``'s merged graph (``rewrite.merged_graph``)
-    where it differs from the block's own graph: for recording launches, and
-    for inference launches of a shape without a static one. Made beside the
-    block's own CachedOp (which the calls no launch merges run) and remade
-    with it."""
-    base = block._cached_op  # pylint: disable=protected-access
-    held = block.__dict__.get("_jb_fast_op")
-    if held is None or held[0] is not base:
-        args = block._cached_op_args  # pylint: disable=protected-access
-        flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
-                 ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg])] + \
-            list(block._flags)  # pylint: disable=protected-access
-        held = block.__dict__["_jb_fast_op"] = (base, _mxapi.CachedOp(merged_graph(block), flags))
-    return held[1]
 
 
 class StaticOps(object):

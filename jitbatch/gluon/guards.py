@@ -348,7 +348,7 @@ def getstate(self):
     state = self.__dict__.copy()
     if self._jb_cfg is not None and state.get("_cached_op") is not None:
         state["_cached_op"] = None
-    state.pop("_jb_fast_op", None)      # a CachedOp too (executors._fast_dynamic)
+    state.pop("_jb_fast_op", None)      # a CachedOp too (rewrite.merged_op)
     return state
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from mxnet import symbol as _sym
 
 from .. import config as _config
+from . import _mxapi
 
 #: MXNet operator -> Activation act_type computing the same function
 ACTIVATIONS = {"sigmoid": "sigmoid", "tanh": "tanh"}
@@ -242,3 +243,20 @@ def merged_graph(block):
     sample's values do not depend on what it merged with."""
     fast = block._jb_fast  # pylint: disable=protected-access
     return block._cached_graph[1] if fast is None else fast  # pylint: disable=protected-access
+
+
+def merged_op(block):
+    """A dynamic CachedOp of ``block``'s merged graph where it differs from the
+    block's own (``_jb_fast``): for recording launches, and for inference
+    launches of a shape without a static one (``executors``). Made beside the
+    block's own CachedOp (which the calls no launch merges run) and remade
+    with it."""
+    base = block._cached_op  # pylint: disable=protected-access
+    held = block.__dict__.get("_jb_fast_op")
+    if held is None or held[0] is not base:
+        args = block._cached_op_args  # pylint: disable=protected-access
+        flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
+                 ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg])] + \
+            list(block._flags)  # pylint: disable=protected-access
+        held = block.__dict__["_jb_fast_op"] = (base, _mxapi.CachedOp(merged_graph(block), flags))
+    return held[1]
