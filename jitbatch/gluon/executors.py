@@ -25,7 +25,7 @@ from .layout import finish, flat_shape
 from .lazy import LazyArray, row_value
 from .meta import HOST_MEMORY, compute_context
 from .params import watch_params
-from .rewrite import merged_graph, merged_op
+from .rewrite import graph_op, merged_graph, merged_op
 
 
 #: MXNet's CachedOp is not safe to build or call from two threads at once (a
@@ -144,12 +144,7 @@ class BlockExec(object):
             return None
         if entry[0] is not None:
             return entry[0]
-        args = block._cached_op_args  # pylint: disable=protected-access
-        flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
-                 ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg]),
-                 ("static_alloc", True), ("static_shape", True)] + \
-            [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
-        op = entry[0] = _mxapi.CachedOp(merged_graph(block), flags)
+        op = entry[0] = graph_op(block, merged_graph(block), static=True)
         return op
 
     def _each(self, batch):

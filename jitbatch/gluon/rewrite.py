@@ -254,9 +254,20 @@ def merged_op(block):
     base = block._cached_op  # pylint: disable=protected-access
     held = block.__dict__.get("_jb_fast_op")
     if held is None or held[0] is not base:
-        args = block._cached_op_args  # pylint: disable=protected-access
-        flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
-                 ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg])] + \
-            list(block._flags)  # pylint: disable=protected-access
-        held = block.__dict__["_jb_fast_op"] = (base, _mxapi.CachedOp(merged_graph(block), flags))
+        held = block.__dict__["_jb_fast_op"] = (base, graph_op(block, merged_graph(block)))
     return held[1]
+
+
+def graph_op(block, graph, static=False):
+    """A CachedOp of ``graph`` (one of ``block``'s graphs: the same inputs)
+    called as the block's own is, on ``block._cached_op_args``, with the
+    block's flags, or (``static``) with MXNet's static memory and shapes."""
+    args = block._cached_op_args  # pylint: disable=protected-access
+    flags = [("data_indices", [k for k, (is_arg, _) in enumerate(args) if is_arg]),
+             ("param_indices", [k for k, (is_arg, _) in enumerate(args) if not is_arg])]
+    if static:
+        flags += [("static_alloc", True), ("static_shape", True)] + \
+            [f for f in block._flags if f[0] not in ("static_alloc", "static_shape")]  # pylint: disable=protected-access
+    else:
+        flags += list(block._flags)  # pylint: disable=protected-access
+    return _mxapi.CachedOp(graph, flags)
