@@ -43,6 +43,7 @@ import json
 import numpy as np
 
 from mxnet import symbol as _sym
+from mxnet.gluon.block import _flatten
 
 from .. import config as _config
 from . import _mxapi
@@ -224,12 +225,9 @@ def float32_only(block, args):
     MXNet 1.9.1's CPU kernels fail on some float16 graphs of standalone
     operators ("unknown type for MKLDNN", plain ``hybridize()`` too) that the
     kernel choices avoid."""
-    stack = list(args)
-    while stack:
-        a = stack.pop()
-        if isinstance(a, (list, tuple)):
-            stack.extend(a)
-        elif a is not None and np.dtype(a.dtype) != np.float32:
+    arrays, _ = _flatten(list(args), "input")     # as MXNet's tracing flattened them
+    for a in arrays:
+        if a is not None and np.dtype(a.dtype) != np.float32:
             return False
     for p in block.collect_params().values():
         if np.dtype(p.dtype) != np.float32:
