@@ -452,6 +452,7 @@ def test_more_distinct_signatures_than_the_table_holds_in_one_pending_graph(
                 % (limit, policy))
     assert signatures.TABLE.evictions - ev > 40, signatures.TABLE.evictions
     assert len(signatures.TABLE) <= limit and len(signatures.EXACT) <= limit
+    assert len(signatures.OP_EXACT) <= limit
     if policy in ("depth", "agenda") and limit == 8:
         assert merged(st), st      # a table of 1 or 3 traces every call anew
 
@@ -470,6 +471,7 @@ def test_more_distinct_shapes_than_the_real_table_limit_in_one_pending_graph():
     same_arrays(want, got, "at the table's limit: output, gradient or parameter")
     assert st["auto_flushes"] == 0 and signatures.TABLE.evictions - ev > 100, st
     assert len(signatures.TABLE) <= 4096 and len(signatures.EXACT) <= 4096
+    assert len(signatures.OP_EXACT) <= 4096
 
 
 @pytest.mark.parametrize("policy", ["depth", "agenda", "auto"])
@@ -691,6 +693,7 @@ def test_a_fresh_network_per_minibatch_keeps_memory_bounded():
     assert marks[1] - marks[0] < 120 * 20000, marks
     assert len(signatures.TABLE) <= signatures.TABLE.limit
     assert len(signatures.EXACT) <= signatures.TABLE.limit
+    assert len(signatures.OP_EXACT) <= signatures.TABLE.limit
 
 
 def _serve_with_a_fresh_network(policy, xs, width=8192):

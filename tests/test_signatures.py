@@ -113,6 +113,80 @@ def test_an_exact_call_seen_before_skips_the_signature_search(monkeypatch):
     np.testing.assert_allclose(outs[3][1].asnumpy(), np.full((2, 3), 9.0))
 
 
+class OpChain(HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return x * 1.5
+
+
+def _op_spy(monkeypatch):
+    searched = []
+    orig = signatures._op_signature  # pylint: disable=protected-access
+
+    def spy(handle, *args):
+        searched.append(handle)
+        return orig(handle, *args)
+    monkeypatch.setattr(signatures, "_op_signature", spy)
+    return searched
+
+
+def test_an_exact_operator_call_seen_before_skips_the_signature_search(monkeypatch):
+    # OP_EXACT: the second and later calls of an operator with the same
+    # attributes on arguments of the same shapes are one lookup, and still merge
+    net = OpChain()
+    net.hybridize(dynamic_batch=True)
+    searched = _op_spy(monkeypatch)
+    xs = [nd.array(np.arange(6).reshape(2, 3) + 10 * i) for i in range(4)]
+    jitbatch.reset_stats()
+    outs = [(nd.tanh(y), nd.sum(y, axis=1)) for y in (net(x) for x in xs)]
+    jitbatch.flush()
+    assert len(searched) == 2, searched          # tanh once, sum once
+    assert jitbatch.stats()["launches"] == 3     # the block, tanh, sum: one launch each
+    for x, (t, s) in zip(xs, outs):
+        y = x.asnumpy() * 1.5
+        np.testing.assert_allclose(t.asnumpy(), np.tanh(y), rtol=1e-6)
+        np.testing.assert_allclose(s.asnumpy(), y.sum(axis=1), rtol=1e-6)
+
+
+def test_exact_operator_calls_differ_by_attribute_shape_and_mode(monkeypatch):
+    # an attribute (axis), an argument's shape and autograd's mode each make a
+    # call of its own: the lookup never hands one call's signature to another
+    net = OpChain()
+    net.hybridize(dynamic_batch=True)
+    searched = _op_spy(monkeypatch)
+    a = net(nd.ones((2, 3)))
+    b = net(nd.ones((2, 4)))
+    got = [nd.sum(a, axis=0), nd.sum(a, axis=1), nd.sum(b, axis=1), nd.sum(a, axis=0)]
+    x = nd.ones((2, 3))
+    x.attach_grad()
+    with mx.autograd.record():
+        c = net(x)
+        recorded = nd.sum(c, axis=0)
+    recorded.backward()
+    jitbatch.flush()
+    assert len(searched) == 4, searched
+    want = [np.full(3, 3.0), np.full(2, 4.5), np.full(2, 6.0), np.full(3, 3.0)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.asnumpy(), w)
+    np.testing.assert_allclose(recorded.asnumpy(), np.full(3, 3.0))
+    np.testing.assert_allclose(x.grad.asnumpy(), np.full((2, 3), 1.5))
+
+
+def test_an_unhashable_operator_attribute_is_keyed_by_its_text(monkeypatch):
+    # MXNet passes a list attribute (reshape's shape) as given: keyed by its
+    # text, [3, 2] and [2, 3] stay two calls and a repeat is one lookup
+    net = OpChain()
+    net.hybridize(dynamic_batch=True)
+    searched = _op_spy(monkeypatch)
+    ys = [net(nd.array(np.arange(6).reshape(1, 6) + i)) for i in range(3)]
+    outs = [nd.reshape(y, shape=[3, 2]) for y in ys] + [nd.reshape(y, shape=[2, 3]) for y in ys]
+    jitbatch.flush()
+    assert len(searched) == 2, searched
+    for i, y in enumerate(ys):
+        v = (np.arange(6) + i) * 1.5
+        np.testing.assert_allclose(outs[i].asnumpy(), v.reshape(3, 2))
+        np.testing.assert_allclose(outs[3 + i].asnumpy(), v.reshape(2, 3))
+
+
 @pytest.mark.parametrize("clear", [True, False])
 def test_a_block_never_meets_the_signatures_of_a_freed_block_with_its_id(clear):
     # CPython gives a freed block's id() to a new one; hybridize(clear=False)

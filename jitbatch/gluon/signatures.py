@@ -7,6 +7,8 @@ Two kinds of keys, both owned here:
   ``(block id, token, argument format, autograd mode, device, shape0, dtype0,
   shape1, dtype1, ...)`` (``exact_key``; the token, a fresh object per block
   structure that the key keeps alive, makes the id unambiguous);
+  an operator call's exact key is its ``op_signature`` arguments, looked up in
+  ``OP_EXACT``;
 * *signature* keys of ``TABLE`` (what must be equal for nodes to merge),
   made once per new exact call: ``(kind, owner, token, *rest)`` for the block
   kinds (``owner`` the block's id, ``token`` its renewal token: a block
@@ -43,6 +45,7 @@ from .rules import rule_for, shared_rule
 
 TABLE = SignatureTable()
 EXACT = {}      # exact call key -> SigInfo (bounded by TABLE.limit)
+OP_EXACT = {}   # exact operator call (op_signature's arguments) -> SigInfo (the same bound)
 _MEASURED = {}  # block signature key without its token -> its latest SigInfo
 
 #: where the arguments' (shape, dtype) pairs start in an exact call key
@@ -134,6 +137,7 @@ def forget():
     forget_params()
     TABLE.clear()
     EXACT.clear()
+    OP_EXACT.clear()
     _MEASURED.clear()
 
 
@@ -172,7 +176,26 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list, shared=()):
     """The signature of an operator call on arguments of ``metas``; None for
     an operator whose output shapes depend on values (added to VALUE_SHAPED),
     or a custom one whose shapes its ``infer_shape`` does not give.
-    ``shared``: ``(position, id)`` of its weight arguments that are parameters."""
+    ``shared``: ``(position, id)`` of its weight arguments that are parameters.
+    A call seen before is one lookup in ``OP_EXACT``: making its signature key
+    (``opkeys``: what is left out, ragged lengths) costs twice that."""
+    exact = (handle, tuple(keys), tuple(vals), tuple(metas), mode, output_is_list, shared)
+    try:
+        info = OP_EXACT.get(exact)
+    except TypeError:       # an unhashable attribute value: keyed by its text
+        exact = (handle, exact[1], tuple([str(v) for v in vals])) + exact[3:]
+        info = OP_EXACT.get(exact)
+    if info is None:
+        info = _op_signature(handle, keys, vals, metas, mode, output_is_list, shared)
+        if info is not None:
+            if len(OP_EXACT) >= TABLE.limit:
+                OP_EXACT.clear()
+            OP_EXACT[exact] = info
+    return info
+
+
+def _op_signature(handle, keys, vals, metas, mode, output_is_list, shared):
+    """``op_signature`` of a call not seen before."""
     if handle in RESHAPE_HANDLES and metas:
         vals = opkeys.reshape_rows(handle, keys, vals, metas[0][0])
     vkey = tuple(vals)
