@@ -37,6 +37,7 @@ from ..errors import ContractWarning, FlagError
 from ..graph import Composite, Graph, Node, current_graph
 from ..stats import STATS
 from . import _mxapi, arith, contract, guards, meta, outputs, params, rewrite, signatures
+from .fills import fill_shim
 from .executors import CACHED_OPS, unpinned
 from ._mxapi import np_array_mode, recurrent_forward
 from .flags import FLAG_KEYS, Unhybridized, misspelt_flag, parse_flags, renew_token
@@ -540,6 +541,10 @@ def install():
     for owner, names in _mxapi.AUTOGRAD_SETTERS:
         for name in names:
             _set(owner, name, drops_mode(getattr(owner, name)))
+    for name in ("_zeros", "_ones"):    # (unless wrapped already: amp.init)
+        orig = getattr(_ndmod._internal, name)
+        if getattr(getattr(orig, "__code__", None), "co_filename", None) == "<string>":
+            _set(_ndmod._internal, name, fill_shim(orig, _mxapi.op_handle(name)))
     for name, orig, ours in (("stack", _mxapi.nd_stack, _stack),
                              ("waitall", _mxapi.waitall, guards.waitall),
                              ("array", _mxapi.nd_array, _array),
