@@ -187,6 +187,47 @@ def test_an_unhashable_operator_attribute_is_keyed_by_its_text(monkeypatch):
         np.testing.assert_allclose(outs[3 + i].asnumpy(), v.reshape(2, 3))
 
 
+def _evict_all(monkeypatch):
+    """A long run's new signatures push every earlier one out of the table
+    (EXACT and OP_EXACT, bounded by the same limit, hold far fewer entries)."""
+    monkeypatch.setattr(signatures.TABLE, "limit", len(signatures.TABLE))
+    for _ in range(len(signatures.TABLE)):
+        signatures.TABLE.add(("filler", object()), lambda sid: None)
+    monkeypatch.setattr(signatures.TABLE, "limit", 4096)
+
+
+@pytest.mark.parametrize("blocks_after", [True, False], ids=["blocks", "operators only"])
+def test_calls_of_any_length_merge_after_the_table_evicted_their_signature(
+        monkeypatch, blocks_after):
+    # EXACT / OP_EXACT handed out ragged signatures TABLE had evicted: a call
+    # of a new length got a new ragged signature, and the lengths' calls ran
+    # as two launches (a suite order that ran a small-table test first).
+    # After the eviction: block calls and operators, or operators only
+    net = nn.Dense(3, in_units=4)
+    net.initialize()
+    net.hybridize(dynamic_batch=True, policy="agenda")
+    t3 = nd.tanh(net(nd.ones((3, 4))))
+    jitbatch.flush()
+    # (lengths the other variant did not use: each exact call is new but 3's)
+    lengths = (3, 5, 3, 7) if blocks_after else (3, 6, 3, 8)
+    xs = [nd.ones((k, 4)) * k for k in lengths]    # nothing pending: concrete
+    if blocks_after:
+        _evict_all(monkeypatch)
+    jitbatch.reset_stats()
+    ys = [net(x) for x in xs]
+    if not blocks_after:
+        _evict_all(monkeypatch)
+    outs = [nd.tanh(y) for y in ys]
+    jitbatch.flush()
+    assert jitbatch.stats()["launches"] == 2, jitbatch.stats()    # the block, tanh
+    w = net.weight.data().asnumpy()
+    b = net.bias.data().asnumpy()
+    for k, o in zip(lengths, outs):
+        np.testing.assert_allclose(o.asnumpy(), np.tanh(np.full((k, 4), float(k)) @ w.T + b),
+                                   rtol=1e-5)
+    np.testing.assert_allclose(t3.asnumpy(), np.tanh(np.ones((3, 4)) @ w.T + b), rtol=1e-5)
+
+
 @pytest.mark.parametrize("clear", [True, False])
 def test_a_block_never_meets_the_signatures_of_a_freed_block_with_its_id(clear):
     # CPython gives a freed block's id() to a new one; hybridize(clear=False)

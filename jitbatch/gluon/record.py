@@ -34,8 +34,9 @@ from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
 from .meta import device, meta
 from .modes import mode
 from .params import is_param
-from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
-                         copy_signature, exact_key, op_signature, pad_size)
+from .signatures import (EXACT, EXACT_ARGS, EXACT_AT, TABLE, VALUE_SHAPED, block_signature,
+                         const_signature, copy_signature, drop_stale_exact, exact_key,
+                         op_signature, pad_size)
 from .rules import SHARED_WEIGHTS
 from .sites import site, site_of
 
@@ -117,6 +118,8 @@ def record_block(block, g, x, args, frame):
         return None
     mode_ = mode(g)
     key, ctx = exact_key(block, fkey, mode_, flat)
+    if TABLE.evictions != EXACT_AT[0]:
+        drop_stale_exact()
     info = EXACT.get(key)     # this exact call seen before: its signature
     if info is None:
         info = block_signature(block, allargs, flat, fmt, fkey, mode_, key)

@@ -46,6 +46,7 @@ from .rules import rule_for, shared_rule
 TABLE = SignatureTable()
 EXACT = {}      # exact call key -> SigInfo (bounded by TABLE.limit)
 OP_EXACT = {}   # exact operator call (op_signature's arguments) -> SigInfo (the same bound)
+EXACT_AT = [0]  # TABLE.evictions when both were last cleared (drop_stale_exact)
 _MEASURED = {}  # block signature key without its token -> its latest SigInfo
 
 #: where the arguments' (shape, dtype) pairs start in an exact call key
@@ -132,6 +133,16 @@ def new_info(sid, key, ex, out_meta, batchable, name):
     return info
 
 
+def drop_stale_exact():
+    """Empty ``EXACT`` and ``OP_EXACT`` once ``TABLE`` has evicted signatures
+    (checked before each lookup): a signature they hand out may have left
+    the table, and a call of another length would then get a ragged
+    signature of its own and not merge with the calls they answer."""
+    EXACT.clear()
+    OP_EXACT.clear()
+    EXACT_AT[0] = TABLE.evictions
+
+
 def forget():
     """Drop every signature (``uninstall``; block instances keep inert tokens)."""
     forget_params()
@@ -179,6 +190,8 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list, shared=()):
     ``shared``: ``(position, id)`` of its weight arguments that are parameters.
     A call seen before is one lookup in ``OP_EXACT``: making its signature key
     (``opkeys``: what is left out, ragged lengths) costs twice that."""
+    if TABLE.evictions != EXACT_AT[0]:
+        drop_stale_exact()
     exact = (handle, tuple(keys), tuple(vals), tuple(metas), mode, output_is_list, shared)
     try:
         info = OP_EXACT.get(exact)
