@@ -17,7 +17,7 @@ class SigInfo(object):
     (``cost.Model.pad_costs``)."""
     __slots__ = ("id", "key", "op", "out_meta", "out_rows", "batchable", "name", "launch_cost",
                  "launch_rows", "launches", "launch_rr", "launch_cr", "pad_axes", "pad_fit",
-                 "pad_seen", "stops")
+                 "pad_seen", "stops", "live")
 
     def __init__(self, sid, key, op, out_meta, batchable, name):
         self.id = sid
@@ -38,6 +38,9 @@ class SigInfo(object):
         # the inputs whose gradient its recorded calls' launches stop (a launch
         # run unrecorded, inputs detached): None where none (Graph.stops)
         self.stops = None
+        # False once the table evicted it: lookups that kept it (the exact-call
+        # tables) treat it as unknown, so all new calls get one successor
+        self.live = True
 
     def inherit(self, old):
         """Take over ``old``'s launch measurements (the same call re-traced, e.g.
@@ -71,7 +74,9 @@ class SignatureTable(object):
         info = make(sid)
         self._table[key] = info
         while len(self._table) > self.limit:
-            self._table.popitem(last=False)
+            _, old = self._table.popitem(last=False)
+            if isinstance(old, SigInfo):
+                old.live = False
             self.evictions += 1
         return info
 

@@ -228,6 +228,36 @@ def test_calls_of_any_length_merge_after_the_table_evicted_their_signature(
     np.testing.assert_allclose(t3.asnumpy(), np.tanh(np.ones((3, 4)) @ w.T + b), rtol=1e-5)
 
 
+class _Centred(HybridBlock):
+    """Centred over the sample's rows (a mean over axis 0): unmergeable."""
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.broadcast_sub(x, F.mean(x, axis=0, keepdims=True))
+
+
+@pytest.mark.parametrize("forgotten", [False, True], ids=["exact call kept", "exact call gone"])
+def test_strict_set_later_raises_whether_or_not_the_exact_call_is_kept(monkeypatch, forgotten):
+    # a call whose exact entry was dropped (or whose signature the table
+    # evicted) finds its signature again in TABLE: config.strict, set after
+    # the signature was made, raises there too (it raised only on an exact hit)
+    import warnings
+    from jitbatch import config
+    net = _Centred()
+    net.hybridize(dynamic_batch=True, policy="depth")
+    xs = [nd.array(np.arange(6).reshape(2, 3) * (i + 1)) for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jitbatch.ContractWarning)
+        [y.asnumpy() for y in [net(x) for x in xs]]
+    if forgotten:
+        signatures.EXACT.clear()
+    monkeypatch.setattr(config, "strict", True)
+    with pytest.raises(jitbatch.BatchingError, match=r"(?s)_centred\d+.*mean.*Fix"):
+        net(xs[0])
+    monkeypatch.setattr(config, "strict", False)
+    y = net(xs[1])                      # and the next call runs, per sample
+    np.testing.assert_allclose(y.asnumpy(), xs[1].asnumpy() - xs[1].asnumpy().mean(0))
+
+
 @pytest.mark.parametrize("clear", [True, False])
 def test_a_block_never_meets_the_signatures_of_a_freed_block_with_its_id(clear):
     # CPython gives a freed block's id() to a new one; hybridize(clear=False)

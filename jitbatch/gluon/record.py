@@ -34,9 +34,8 @@ from .lazy import DETACHED, LazyArray, new_lazy, node_of, track
 from .meta import device, meta
 from .modes import mode
 from .params import is_param
-from .signatures import (EXACT, EXACT_ARGS, EXACT_AT, TABLE, VALUE_SHAPED, block_signature,
-                         const_signature, copy_signature, drop_stale_exact, exact_key,
-                         op_signature, pad_size)
+from .signatures import (EXACT, EXACT_ARGS, VALUE_SHAPED, block_signature, const_signature,
+                         copy_signature, exact_key, op_signature, pad_size)
 from .rules import SHARED_WEIGHTS
 from .sites import site, site_of
 
@@ -118,15 +117,14 @@ def record_block(block, g, x, args, frame):
         return None
     mode_ = mode(g)
     key, ctx = exact_key(block, fkey, mode_, flat)
-    if TABLE.evictions != EXACT_AT[0]:
-        drop_stale_exact()
-    info = EXACT.get(key)     # this exact call seen before: its signature
-    if info is None:
-        info = block_signature(block, allargs, flat, fmt, fkey, mode_, key)
-    elif not info.batchable and _config.strict:
-        why = getattr(info.op, "why", None)   # strict set after the signature was made
+    si: SigInfo = EXACT.get(key)     # this exact call seen before: its signature
+    if si is None or not si.live:    # (one TABLE evicted: found again)
+        si = block_signature(block, allargs, flat, fmt, fkey, mode_, key)
+    if not si.batchable and _config.strict:
+        why = getattr(si.op, "why", None)   # strict set after the signature was made
         if why is not None:
             raise BatchingError(why)
+    info = si
     gr: Graph = g
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)
@@ -134,7 +132,6 @@ def record_block(block, g, x, args, frame):
     if gr.sharing is not None:      # a sample of jitbatch.map: what it calls and reads
         note_sample(gr.sharing, block, flat)
     gr.reads[id(block)] = block     # a pending call keeps its block alive
-    si: SigInfo = info
     out_meta = si.out_meta
     site_ = site_of(frame)
     if out_meta and out_meta[0][0][0] is None:       # ragged: outputs keep the lead

@@ -8,7 +8,9 @@ Two kinds of keys, both owned here:
   shape1, dtype1, ...)`` (``exact_key``; the token, a fresh object per block
   structure that the key keeps alive, makes the id unambiguous);
   an operator call's exact key is its ``op_signature`` arguments, looked up in
-  ``OP_EXACT``;
+  ``OP_EXACT``; in either table an entry whose signature ``TABLE`` evicted
+  (``SigInfo.live`` False) counts as unknown, so that every later call finds
+  one successor (kept, calls of other lengths would get another);
 * *signature* keys of ``TABLE`` (what must be equal for nodes to merge),
   made once per new exact call: ``(kind, owner, token, *rest)`` for the block
   kinds (``owner`` the block's id, ``token`` its renewal token: a block
@@ -46,7 +48,6 @@ from .rules import rule_for, shared_rule
 TABLE = SignatureTable()
 EXACT = {}      # exact call key -> SigInfo (bounded by TABLE.limit)
 OP_EXACT = {}   # exact operator call (op_signature's arguments) -> SigInfo (the same bound)
-EXACT_AT = [0]  # TABLE.evictions when both were last cleared (drop_stale_exact)
 _MEASURED = {}  # block signature key without its token -> its latest SigInfo
 
 #: where the arguments' (shape, dtype) pairs start in an exact call key
@@ -133,16 +134,6 @@ def new_info(sid, key, ex, out_meta, batchable, name):
     return info
 
 
-def drop_stale_exact():
-    """Empty ``EXACT`` and ``OP_EXACT`` once ``TABLE`` has evicted signatures
-    (checked before each lookup): a signature they hand out may have left
-    the table, and a call of another length would then get a ragged
-    signature of its own and not merge with the calls they answer."""
-    EXACT.clear()
-    OP_EXACT.clear()
-    EXACT_AT[0] = TABLE.evictions
-
-
 def forget():
     """Drop every signature (``uninstall``; block instances keep inert tokens)."""
     forget_params()
@@ -190,15 +181,13 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list, shared=()):
     ``shared``: ``(position, id)`` of its weight arguments that are parameters.
     A call seen before is one lookup in ``OP_EXACT``: making its signature key
     (``opkeys``: what is left out, ragged lengths) costs twice that."""
-    if TABLE.evictions != EXACT_AT[0]:
-        drop_stale_exact()
     exact = (handle, tuple(keys), tuple(vals), tuple(metas), mode, output_is_list, shared)
     try:
         info = OP_EXACT.get(exact)
     except TypeError:       # an unhashable attribute value: keyed by its text
         exact = (handle, exact[1], tuple([str(v) for v in vals])) + exact[3:]
         info = OP_EXACT.get(exact)
-    if info is None:
+    if info is None or not info.live:     # (one TABLE evicted: found again)
         info = _op_signature(handle, keys, vals, metas, mode, output_is_list, shared)
         if info is not None:
             if len(OP_EXACT) >= TABLE.limit:
