@@ -119,6 +119,9 @@ class OpChain(HybridBlock):
 
 
 def _op_spy(monkeypatch):
+    """The operator signature searches from here on (the exact calls earlier
+    tests of the process made are forgotten first: only a lookup is lost)."""
+    signatures.OP_EXACT.clear()
     searched = []
     orig = signatures._op_signature  # pylint: disable=protected-access
 
@@ -163,7 +166,8 @@ def test_exact_operator_calls_differ_by_attribute_shape_and_mode(monkeypatch):
         recorded = nd.sum(c, axis=0)
     recorded.backward()
     jitbatch.flush()
-    assert len(searched) == 4, searched
+    names = [jitbatch.gluon._mxapi.op_name(h) for h in searched]
+    assert names.count("sum") == 4, names      # (attach_grad may record a zeros_like)
     want = [np.full(3, 3.0), np.full(2, 4.5), np.full(2, 6.0), np.full(3, 3.0)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.asnumpy(), w)
