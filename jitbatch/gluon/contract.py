@@ -17,13 +17,19 @@ The rules live in ``axis_rules``, a registry filled by family helpers. An
 operator without a rule is a Mix: jitbatch merges only what it can prove. A
 rule's result is also checked against MXNet's shape inference at the call's
 shapes and at twice the rows (the per-sample axis must be the one that
-doubles). The outputs must keep the samples along axis 0."""
+doubles). The outputs must keep the samples along axis 0.
+
+Two more contracts, on shapes alone: a ragged signature's outputs keep any
+shared leading length (``rowwise_any_length``), and a zero-padded block's
+outputs do not change with the padded size (``check_pad_outputs``)."""
 import inspect
 import json
 
 from mxnet.util import is_np_shape
 
+from ..errors import BatchingError, first_line
 from .axis_rules import CONST, RANDOM, RULES, Facts, Refuse
+from .flags import pad_names
 from .rules import parse_attr
 
 
@@ -458,4 +464,50 @@ def _infers(out, names, shapes):
         out.infer_shape_partial(**used_inputs(out, names, shapes))
     except Exception:  # pylint: disable=broad-except
         return False
+    return True
+
+
+# -- the contracts of ragged and zero-padded signatures -------------------------------
+def check_pad_outputs(block, out, names, shapes, o1, pad):
+    """Outputs of a zero-padded block must not change shape with the padded size."""
+    grown = [tuple(s[:pad[i]]) + (s[pad[i]] + 1,) + tuple(s[pad[i] + 1:]) if i in pad else s
+             for i, s in enumerate(shapes)]
+    try:
+        _, o3, _ = out.infer_shape_partial(**used_inputs(out, names, grown))
+    except Exception as e:
+        raise BatchingError(
+            "block %s: zero_pad(%s) declared, but the block cannot take inputs of shapes %s "
+            "(one more along the padded axes): %s. Fix: declare only axes whose size the "
+            "block takes as it comes (a sum or a masked softmax over them, e.g. children or "
+            "keys), or drop the declaration: jitbatch.zero_pad(block) with no axes."
+            % (block.name, pad_names(block), grown, first_line(e))) from e
+    for k, (a, b) in enumerate(zip(o1, o3)):
+        if tuple(a) != tuple(b):
+            raise BatchingError(
+                "block %s: zero_pad(%s) declared, but its output %d has shape %s for inputs "
+                "%s and %s when the padded axes grow by one (%s); padding must not change "
+                "the outputs' shapes. Fix: reduce over the padded axis inside the block "
+                "(e.g. a sum over children), or drop the declaration with "
+                "jitbatch.zero_pad(block)." % (block.name, pad_names(block), k, tuple(a),
+                                               shapes, tuple(b), grown))
+
+
+def rowwise_any_length(out, names, shapes, o1):
+    """True if every output keeps the inputs' shared leading length L, checked by
+    shape inference at L, at a length no multiple of it and at 1 (where
+    ``squeeze()`` without an axis drops the leading axis too)."""
+    length = shapes[0][0]
+    if any(a[0] != length for a in o1):
+        return False
+    for other in (2 * length + 1, 1):
+        if other == length:
+            continue
+        try:
+            _, o3, _ = out.infer_shape_partial(**used_inputs(
+                out, names, [(other,) + tuple(s[1:]) for s in shapes]))
+        except Exception:  # pylint: disable=broad-except
+            return False
+        if not all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:])
+                   for a, b in zip(o1, o3)):
+            return False
     return True

@@ -480,7 +480,7 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
     if mix is not None:
         # exact only one sample at a time: each call runs as its own launch
         if pad is not None:
-            _check_pad_outputs(block, out, names, shapes, o1, pad)
+            contract.check_pad_outputs(block, out, names, shapes, o1, pad)
         why = _unmergeable(block, mix)
         if rkey is not None:
             TABLE.add(rkey, lambda sid: _NOT_RAGGED)
@@ -489,10 +489,10 @@ def _trace(block, args, flat, fmt, mc, mode, key, rkey, pad=None):
         ex.cut, ex.unused = cut, unused
         return TABLE.add(key, lambda sid: new_info(sid, key, ex, out_meta, False, block.name))
     if pad is not None:
-        _check_pad_outputs(block, out, names, shapes, o1, pad)
+        contract.check_pad_outputs(block, out, names, shapes, o1, pad)
         in_meta = tuple((s[:pad[i]] + (None,) + s[pad[i] + 1:] if i in pad else s, d)
                         for i, (s, d) in enumerate(in_meta))
-    elif rkey is not None and _rowwise_any_length(out, names, shapes, o1):
+    elif rkey is not None and contract.rowwise_any_length(out, names, shapes, o1):
         # ragged: samples of any leading length merge; sizes live on the nodes
         out_meta = tuple(((None,) + tuple(a[1:]), t) for a, t in out_meta)
         ex = BlockExec(block, fmt, tuple(((None,) + tuple(s[1:]), d)
@@ -575,48 +575,3 @@ def _unmergeable(block, mix):
                       "jitbatch.config.strict = True makes this an error." % (what, fix),
                       ContractWarning, stacklevel=2)
     return error
-
-
-def _check_pad_outputs(block, out, names, shapes, o1, pad):
-    """Outputs of a zero-padded block must not change shape with the padded size."""
-    grown = [tuple(s[:pad[i]]) + (s[pad[i]] + 1,) + tuple(s[pad[i] + 1:]) if i in pad else s
-             for i, s in enumerate(shapes)]
-    try:
-        _, o3, _ = out.infer_shape_partial(**contract.used_inputs(out, names, grown))
-    except Exception as e:
-        raise BatchingError(
-            "block %s: zero_pad(%s) declared, but the block cannot take inputs of shapes %s "
-            "(one more along the padded axes): %s. Fix: declare only axes whose size the "
-            "block takes as it comes (a sum or a masked softmax over them, e.g. children or "
-            "keys), or drop the declaration: jitbatch.zero_pad(block) with no axes."
-            % (block.name, pad_names(block), grown, first_line(e))) from e
-    for k, (a, b) in enumerate(zip(o1, o3)):
-        if tuple(a) != tuple(b):
-            raise BatchingError(
-                "block %s: zero_pad(%s) declared, but its output %d has shape %s for inputs "
-                "%s and %s when the padded axes grow by one (%s); padding must not change "
-                "the outputs' shapes. Fix: reduce over the padded axis inside the block "
-                "(e.g. a sum over children), or drop the declaration with "
-                "jitbatch.zero_pad(block)." % (block.name, pad_names(block), k, tuple(a),
-                                               shapes, tuple(b), grown))
-
-
-def _rowwise_any_length(out, names, shapes, o1):
-    """True if every output keeps the inputs' shared leading length L, checked by
-    shape inference at L, at a length no multiple of it and at 1 (where
-    ``squeeze()`` without an axis drops the leading axis too)."""
-    length = shapes[0][0]
-    if any(a[0] != length for a in o1):
-        return False
-    for other in (2 * length + 1, 1):
-        if other == length:
-            continue
-        try:
-            _, o3, _ = out.infer_shape_partial(**contract.used_inputs(
-                out, names, [(other,) + tuple(s[1:]) for s in shapes]))
-        except Exception:  # pylint: disable=broad-except
-            return False
-        if not all(b and b[0] == other and tuple(b[1:]) == tuple(a[1:])
-                   for a, b in zip(o1, o3)):
-            return False
-    return True
