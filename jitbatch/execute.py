@@ -374,8 +374,18 @@ def _learn(f, graph, nodes, reason):
         # a read right after one recorded call (per-sample code reading a value
         # once per sample, as a window of eager calls ended before it) tells
         # nothing about merging: the streak stays as it was and recording goes
-        # on, where ending the streak made every window the smallest
+        # on, where ending the streak made every window the smallest. A read
+        # after every call, flush after flush, merges nothing: recording is
+        # pure overhead there, so after SINGLE_READS such flushes in a row a
+        # window of eager calls starts; always the smallest, without growing
+        # the streak, so that batchable work after such a loop (training after
+        # a per-sample evaluation) is recorded again within 64 calls
+        graph.singles += 1
+        if graph.singles >= SINGLE_READS and not graph.passthrough:
+            graph.singles = 0
+            graph.passthrough = cost.MODEL.passthrough_after(SINGLE_READS, SINGLE_READS)
         return
+    graph.singles = 0
     graph.passthrough = cost.MODEL.passthrough_after(
         len(nodes), len(f.batches), nothing_to_merge=not (merged or graph.chunk_merged),
         streak=graph.quiet)
@@ -384,6 +394,8 @@ def _learn(f, graph, nodes, reason):
 
 
 _PAD_TIMED = 8   # timed launches after which an unpriced padded signature stops calibrating
+#: one-node 'auto' flushes in a row (nothing recorded between reads) after which calls run eagerly
+SINGLE_READS = 4
 
 
 def _unpriced(padding):

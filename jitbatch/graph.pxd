@@ -27,7 +27,7 @@ cdef class Group:
 cdef class Graph:
     cdef public list nodes
     cdef public object thread, backend, policy, budget, granularity
-    cdef public Py_ssize_t seq, passthrough, quiet, limit, scope
+    cdef public Py_ssize_t seq, passthrough, quiet, singles, limit, scope
     cdef public bint executing, chunk_merged, unpiped
     cdef public Py_ssize_t stops
     cdef public list retired, kept, kept_before

@@ -148,6 +148,7 @@ class Graph(object):
         self.granularity = None
         self.passthrough = 0   # calls to run eagerly ('auto' found nothing to merge)
         self.quiet = 0         # 'auto' flushes in a row that found nothing to merge
+        self.singles = 0       # 'auto' flushes of one node in a row (a read after every call)
         self.chunk_merged = False   # a pipelined chunk of the current graph merged
         self.scope = 0         # unflagged blocks running on lazy arguments (hook._forward)
         self.limit = config.max_pending   # pending nodes at which the graph runs itself

@@ -836,6 +836,44 @@ def test_unmergeable_chain_runs_eagerly_in_growing_windows():
     assert g.passthrough == 160 and g.quiet == 2
 
 
+def test_a_read_after_every_call_runs_eagerly_in_the_smallest_windows():
+    # per-sample code that reads each call's output at once (an evaluation
+    # loop, one block per sample): every flush holds one node and merges
+    # nothing; after four such flushes in a row the calls run eagerly (64 of
+    # them: a window that never grows), then are recorded to check again; a
+    # minibatch that merges after such a loop is recorded within 64 calls
+    from jitbatch import execute
+    from jitbatch.graph import current_graph
+    net = nn.Dense(3, in_units=2)
+    net.initialize()
+    net.hybridize(dynamic_batch=True)
+    xs = [nd.array([[i, 1.0 - i]]) for i in range(8)]
+    want = [net(x).asnumpy() for x in xs]       # (the first flushes: one node each)
+    g = current_graph()
+    g.passthrough = g.singles = 0
+    quiet = g.quiet
+    jitbatch.reset_stats()
+    recorded = []
+    for i in range(200):
+        before = jitbatch.stats()["nodes"]
+        y = net(xs[i % 8])
+        assert np.allclose(y.asnumpy(), want[i % 8], rtol=1e-5)
+        if jitbatch.stats()["nodes"] > before:
+            recorded.append(i)
+    assert execute.SINGLE_READS == 4
+    # four recorded, 64 eager, four recorded, 64 eager, ...
+    assert recorded == [0, 1, 2, 3, 68, 69, 70, 71, 136, 137, 138, 139], recorded
+    assert g.quiet == quiet and jitbatch.stats()["flushes"] == 12
+    # a minibatch after the loop: at most the window's rest runs eagerly
+    g.passthrough = 64
+    ys = [net(x) for x in xs * 20]        # 160 independent calls
+    jitbatch.flush()
+    st = jitbatch.stats()
+    assert st["nodes"] - 12 == 160 - 64 and st["last_flush"]["launches"] < 10, st
+    for i, y in enumerate(ys):
+        assert np.allclose(y.asnumpy(), want[i % 8], rtol=1e-5)
+
+
 def test_values_read_mid_sample_do_not_keep_the_rest_of_it_recorded():
     # per-sample code that reads a value in the middle of each sample (top-1
     # routing: the gate's argmax read with asscalar) and goes on with arrays
