@@ -28,7 +28,7 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import HybridBlock, nn
 
 import jitbatch
-from jitbatch import pipeline
+from jitbatch import execute, pipeline
 from examples.zoo import MODELS
 from harness import assert_same, run
 from models import (T, binary_apply, binary_model, binary_samples, childsum_apply,
@@ -927,10 +927,15 @@ def config(monkeypatch):
 @pytest.mark.parametrize("policy, granularity", [("auto", "auto"), ("depth", "split"),
                                                  ("agenda", "block")])
 @pytest.mark.parametrize("model", ["tree_leaf", "greedy_decode"])
-def test_a_tiny_max_pending_flushes_mid_minibatch(model, policy, granularity, mapped, config):
+def test_a_tiny_max_pending_flushes_mid_minibatch(model, policy, granularity, mapped, config,
+                                                 monkeypatch):
     """``config.max_pending = 3``: the graph flushes itself every three nodes,
     mid-sample and mid-recording, across three SGD steps."""
     config.max_pending = 3
+    # a read after each limit flush finds one node pending: four in a row would
+    # run the next 64 calls eagerly ('auto', execute.SINGLE_READS), leaving
+    # too few recorded calls to flush mid-sample
+    monkeypatch.setattr(execute, "SINGLE_READS", 10 ** 9)
     entry = MODELS[model]
     rng = rng_for("max-pending", model, policy, mapped)
     batches = [entry.generate(rng, 3, tiny=True) for _ in range(3)]
