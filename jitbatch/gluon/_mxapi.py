@@ -179,6 +179,14 @@ def op_handle(name):
     return _HANDLES[name]
 
 
+def generated(f):
+    """Whether ``f`` is one of MXNet's generated operator functions (compiled
+    from strings), not a wrapper another library put in its place
+    (``amp.init`` inserts casts there)."""
+    code = getattr(f, "__code__", None)
+    return code is not None and code.co_filename == "<string>"
+
+
 def memory_span(arr):
     """``(first byte, past the last)`` of a dense NDArray's memory (a view's:
     within the array it views), or None (sparse, or none allocated)."""

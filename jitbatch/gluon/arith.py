@@ -41,8 +41,7 @@ def _generated(functions, name):
     (``amp.init`` inserts casts there): calls then take MXNet's path, through
     the wrapper. Checked again at every call, as a wrapper may come later."""
     f = functions[name]
-    code = getattr(f, "__code__", None)
-    return f if code is not None and code.co_filename == "<string>" else _WRAPPED
+    return f if _mxapi.generated(f) else _WRAPPED
 
 
 def _method(name, arrays, scalar, right, invoke):

@@ -543,7 +543,7 @@ def install():
             _set(owner, name, drops_mode(getattr(owner, name)))
     for name in ("_zeros", "_ones"):    # (unless wrapped already: amp.init)
         orig = getattr(_ndmod._internal, name)
-        if getattr(getattr(orig, "__code__", None), "co_filename", None) == "<string>":
+        if _mxapi.generated(orig):
             _set(_ndmod._internal, name, fill_shim(orig, _mxapi.op_handle(name)))
     for name, orig, ours in (("stack", _mxapi.nd_stack, _stack),
                              ("waitall", _mxapi.waitall, guards.waitall),

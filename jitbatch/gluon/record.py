@@ -124,7 +124,6 @@ def record_block(block, g, x, args, frame):
         why = getattr(si.op, "why", None)   # strict set after the signature was made
         if why is not None:
             raise BatchingError(why)
-    info = si
     gr: Graph = g
     if not gr.nodes:
         _begin(g, block._jb_cfg, mode_)
@@ -136,11 +135,11 @@ def record_block(block, g, x, args, frame):
     site_ = site_of(frame)
     if out_meta and out_meta[0][0][0] is None:       # ragged: outputs keep the lead
         lead = key[EXACT_ARGS][0]
-        node = gr.add(info, tuple(flat), site_, mode_, lead)
+        node = gr.add(si, tuple(flat), site_, mode_, lead)
         outs = [new_lazy(node, k, (lead,) + m[0][1:], m[1], ctx, None)
                 for k, m in enumerate(out_meta)]
     else:
-        node = gr.add(info, tuple(flat), site_, mode_)
+        node = gr.add(si, tuple(flat), site_, mode_)
         if si.pad_axes is not None:
             node.pad = pad_size(key, si.pad_axes)
         outs = [new_lazy(node, k, m[0], m[1], ctx, None) for k, m in enumerate(out_meta)]

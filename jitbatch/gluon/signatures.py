@@ -190,9 +190,7 @@ def op_signature(handle, keys, vals, metas, mode, output_is_list, shared=()):
     if info is None or not info.live:     # (one TABLE evicted: found again)
         info = _op_signature(handle, keys, vals, metas, mode, output_is_list, shared)
         if info is not None:
-            if len(OP_EXACT) >= TABLE.limit:
-                OP_EXACT.clear()
-            OP_EXACT[exact] = info
+            _remember(OP_EXACT, exact, info)
     return info
 
 
@@ -290,10 +288,16 @@ def block_signature(block, allargs, flat, fmt, fkey, mode, exact):
         info = TABLE.get(skey)
         if info is None:
             info = _trace(block, allargs, flat, fmt, mc, mode, skey, rkey, pad)
-    if len(EXACT) >= TABLE.limit:
-        EXACT.clear()
-    EXACT[exact] = info
+    _remember(EXACT, exact, info)
     return info
+
+
+def _remember(table, exact, info):
+    """Keep ``info`` as exact call ``exact``'s in ``table`` (``EXACT`` or
+    ``OP_EXACT``), emptied first when it holds ``TABLE.limit`` calls."""
+    if len(table) >= TABLE.limit:
+        table.clear()
+    table[exact] = info
 
 
 def _padded_key(block, pad, fmt, mc, mode, fkey):
