@@ -175,3 +175,43 @@ def test_a_pending_creation_skips_mxnets_generated_function(name, make):
     assert not _generated_calls(make), name
     y.asnumpy()
     net.hybridize(active=False)
+
+
+POLICIES = ["auto", "depth", "agenda", "sequential"]
+
+
+class _Seq(gluon.Block):
+    """A GRU cell over a sequence, its first state from ``begin_state`` and a
+    bias of ``nd.ones`` and ``nd.zeros`` made per sample (as a user writes it)."""
+
+    def __init__(self, **kw):
+        super(_Seq, self).__init__(**kw)
+        with self.name_scope():
+            self.cell = gluon.rnn.GRUCell(4, input_size=3)
+            self.out = nn.Dense(2, in_units=4)
+
+    def forward(self, xs):  # pylint: disable=arguments-differ
+        state = self.cell.begin_state(batch_size=1)
+        for t in range(xs.shape[0]):
+            h, state = self.cell(xs[t:t + 1], state)
+        bias = nd.ones((1, 4)) * 0.5 + nd.zeros((1, 4), dtype="float32")
+        return self.out(h + bias)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_creations_in_per_sample_code_are_plain_gluons(policy, train):
+    # differential: outputs and gradients against per-sample Gluon, every
+    # policy; the creations of all samples merge (one launch per row shape)
+    from harness import assert_same, run
+    net = _Seq()
+    net.initialize(mx.init.Uniform(0.5))
+    rng = np.random.default_rng(5)
+    samples = [nd.array(rng.normal(size=(int(rng.integers(1, 6)), 3))) for _ in range(6)]
+
+    def apply(net, xs):
+        out = net(xs)
+        return out, nd.sum(out * out)
+    ref = run(net, apply, samples, train, flag=False)
+    got = run(net, apply, samples, train, flag=True, policy=policy)
+    assert_same(ref, got)
